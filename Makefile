@@ -1,0 +1,49 @@
+# The README's commands. `make test` builds its own virtualenv from nothing.
+PYTHON ?= python3
+VENV ?= .venv
+PROTO_VENV ?= .venv-proto
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-scale test-gpu proto proto-check lint clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/gridcomm demo
+
+# pytest exits 5 when it collected no test; that is reported, not hidden, but is not a failure
+# of the suite itself.
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -m "not scale and not gpu" $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; rc=0; fi; exit $$rc
+
+test-scale: $(BIN)/.installed
+	$(BIN)/python -m pytest -m scale -s $(PYTEST_ARGS)
+
+$(PROTO_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(PROTO_VENV)
+	$(PROTO_VENV)/bin/python -m pip install -q 'grpcio-tools==1.62.3'
+	touch $@
+
+proto: $(PROTO_VENV)/.installed
+	$(PROTO_VENV)/bin/python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. \
+		protos/gridcomm/_proto/coordinator.proto
+
+proto-check: $(PROTO_VENV)/.installed
+	rm -rf .proto-check && mkdir -p .proto-check
+	$(PROTO_VENV)/bin/python -m grpc_tools.protoc -Iprotos --python_out=.proto-check --grpc_python_out=.proto-check \
+		--pyi_out=.proto-check protos/gridcomm/_proto/coordinator.proto
+	diff -r -x __init__.py -x __pycache__ .proto-check/gridcomm/_proto gridcomm/_proto && echo "generated stubs are up to date"
+	rm -rf .proto-check
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check gridcomm tests benchmarks
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) $(PROTO_VENV) .proto-check .pytest_cache

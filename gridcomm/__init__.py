@@ -1,0 +1,35 @@
+"""gridcomm: find N processes on N hosts and build one NCCL communicator over CuPy arrays.
+
+The public API is what this module exports; everything in ``gridcomm._*`` is private.
+"""
+
+from __future__ import annotations
+
+from gridcomm._client import CoordinatorClient
+from gridcomm._errors import (
+    ArgumentError,
+    AuthenticationError,
+    CommAborted,
+    ConfigError,
+    CoordinatorUnavailable,
+    GridcommError,
+    RankFailedError,
+    RendezvousTimeout,
+)
+from gridcomm._server import Coordinator
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArgumentError",
+    "AuthenticationError",
+    "CommAborted",
+    "ConfigError",
+    "Coordinator",
+    "CoordinatorClient",
+    "CoordinatorUnavailable",
+    "GridcommError",
+    "RankFailedError",
+    "RendezvousTimeout",
+    "__version__",
+]

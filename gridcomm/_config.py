@@ -1,0 +1,233 @@
+"""The only module that reads ``os.environ``; it does so at call time, never at import.
+
+Order of precedence for every setting: explicit argument, ``GRIDCOMM_*``, compatible conventions
+(cupyx, torchrun/Kubeflow, Kubernetes Indexed Job), then a default or a :class:`ConfigError` that
+says what to set.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+from collections.abc import Mapping
+
+from gridcomm._errors import ConfigError
+
+#: cupyx.distributed's defaults, kept so a cupyx program switches by changing its import.
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 13333
+#: Bound on any single wait (join, barrier, get) unless the caller or GRIDCOMM_TIMEOUT_S says otherwise.
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_JOB_ID = "default"
+#: A rank not heard from for this long is declared failed (GRIDCOMM_HEARTBEAT_TIMEOUT_S).
+DEFAULT_HEARTBEAT_TIMEOUT_S = 15.0
+BACKENDS = ("auto", "nccl", "host")
+
+
+def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
+
+
+def _first(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | None:
+    for name in names:
+        value = env.get(name)
+        if value is not None and value.strip() != "":
+            return name, value.strip()
+    return None
+
+
+def _parse_int(name: str, value: str, *, minimum: int, maximum: int | None = None) -> int:
+    try:
+        parsed = int(value, 10)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not an integer; set it to a whole number such as {minimum}.") from None
+    if parsed < minimum or (maximum is not None and parsed > maximum):
+        upper = f" and at most {maximum}" if maximum is not None else ""
+        raise ConfigError(f"{name}={parsed} is out of range; it must be at least {minimum}{upper}.")
+    return parsed
+
+
+def parse_duration(name: str, value: object, *, allow_zero: bool = False) -> float:
+    """Parses a duration in seconds (``*_s``) and checks it is finite and positive."""
+    try:
+        parsed = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} is not a number of seconds; use e.g. {name}=30.") from None
+    if not math.isfinite(parsed) or parsed < 0 or (parsed == 0 and not allow_zero):
+        raise ConfigError(f"{name}={value!r} must be a finite number of seconds greater than 0.")
+    return parsed
+
+
+def world_size(explicit: int | None = None, environ: Mapping[str, str] | None = None) -> int:
+    """The number of ranks: argument, GRIDCOMM_WORLD_SIZE, WORLD_SIZE (torchrun, Kubeflow PET_NNODES
+    is not a rank count and is ignored)."""
+    if explicit is not None:
+        return _check_int("world_size", explicit, minimum=1)
+    env = _env(environ)
+    found = _first(env, ("GRIDCOMM_WORLD_SIZE", "WORLD_SIZE"))
+    if found is None:
+        raise ConfigError(
+            "the world size is not known: pass n_devices/world_size, or set GRIDCOMM_WORLD_SIZE "
+            "(WORLD_SIZE from torchrun also works)."
+        )
+    return _parse_int(found[0], found[1], minimum=1)
+
+
+def rank(explicit: int | None, size: int, environ: Mapping[str, str] | None = None) -> int:
+    """This process's rank: argument, GRIDCOMM_RANK, RANK, JOB_COMPLETION_INDEX."""
+    if explicit is not None:
+        value = _check_int("rank", explicit, minimum=0)
+        name = "rank"
+    else:
+        env = _env(environ)
+        found = _first(env, ("GRIDCOMM_RANK", "RANK", "JOB_COMPLETION_INDEX"))
+        if found is None:
+            raise ConfigError(
+                "this process's rank is not known: pass rank, or set GRIDCOMM_RANK "
+                "(RANK from torchrun and JOB_COMPLETION_INDEX from an Indexed Job also work)."
+            )
+        name = found[0]
+        value = _parse_int(found[0], found[1], minimum=0)
+    if value >= size:
+        raise ConfigError(f"{name}={value} is out of range for world size {size}; ranks are 0..{size - 1}.")
+    return value
+
+
+def local_rank(environ: Mapping[str, str] | None = None) -> int | None:
+    env = _env(environ)
+    found = _first(env, ("GRIDCOMM_LOCAL_RANK", "LOCAL_RANK"))
+    return None if found is None else _parse_int(found[0], found[1], minimum=0)
+
+
+def coordinator_address(
+    host: str | None = None, port: int | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[str, int]:
+    """Where the coordinator is: arguments, GRIDCOMM_HOST/PORT, CUPYX_DISTRIBUTED_HOST/PORT,
+    MASTER_ADDR/MASTER_PORT, then cupyx's defaults 127.0.0.1:13333."""
+    env = _env(environ)
+    if host is None:
+        found = _first(env, ("GRIDCOMM_HOST", "CUPYX_DISTRIBUTED_HOST", "MASTER_ADDR"))
+        host = DEFAULT_HOST if found is None else found[1]
+    host = validate_host("host", host)
+    if port is None:
+        found = _first(env, ("GRIDCOMM_PORT", "CUPYX_DISTRIBUTED_PORT", "MASTER_PORT"))
+        port = DEFAULT_PORT if found is None else _parse_int(found[0], found[1], minimum=1, maximum=65535)
+    else:
+        port = _check_int("port", port, minimum=0, maximum=65535)
+    return host, port
+
+
+def bind_address(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """The address rank 0's embedded coordinator listens on (separate from the advertised host)."""
+    if explicit is not None:
+        return validate_host("bind", explicit)
+    found = _first(_env(environ), ("GRIDCOMM_BIND",))
+    return "0.0.0.0" if found is None else validate_host(found[0], found[1])
+
+
+def validate_host(name: str, host: object) -> str:
+    if not isinstance(host, str) or not host.strip() or any(c.isspace() for c in host.strip()):
+        raise ConfigError(f"{name}={host!r} is not a host name or address; use e.g. 'job-0.svc' or '10.0.0.1'.")
+    host = host.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host
+
+
+def format_target(host: str, port: int) -> str:
+    """host:port as gRPC wants it (IPv6 literals in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_target(target: str) -> tuple[str, int]:
+    """Parses HOST:PORT (or [V6]:PORT) from the command line."""
+    text = target.strip()
+    if text.startswith("["):
+        close = text.find("]")
+        if close < 0 or not text[close + 1 :].startswith(":"):
+            raise ConfigError(f"address {target!r} is not [IPV6]:PORT.")
+        host, port_text = text[1:close], text[close + 2 :]
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host:
+            raise ConfigError(f"address {target!r} is not HOST:PORT; e.g. 127.0.0.1:13333.")
+    return validate_host("host", host), _parse_int("port", port_text, minimum=1, maximum=65535)
+
+
+def timeout_s(explicit: float | None = None, environ: Mapping[str, str] | None = None) -> float:
+    """The bound on one wait: argument, GRIDCOMM_TIMEOUT_S, then 300 s."""
+    if explicit is not None:
+        return parse_duration("timeout_s", explicit)
+    found = _first(_env(environ), ("GRIDCOMM_TIMEOUT_S",))
+    return DEFAULT_TIMEOUT_S if found is None else parse_duration(found[0], found[1])
+
+
+def heartbeat_timeout_s(explicit: float | None = None, environ: Mapping[str, str] | None = None) -> float:
+    """The liveness bound: argument, GRIDCOMM_HEARTBEAT_TIMEOUT_S, then 15 s."""
+    if explicit is not None:
+        return parse_duration("heartbeat_timeout_s", explicit)
+    found = _first(_env(environ), ("GRIDCOMM_HEARTBEAT_TIMEOUT_S",))
+    return DEFAULT_HEARTBEAT_TIMEOUT_S if found is None else parse_duration(found[0], found[1])
+
+
+def token(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The shared secret: argument, GRIDCOMM_TOKEN, then the contents of GRIDCOMM_TOKEN_FILE."""
+    if explicit is not None:
+        return validate_token("token", explicit)
+    env = _env(environ)
+    found = _first(env, ("GRIDCOMM_TOKEN",))
+    if found is not None:
+        return validate_token(found[0], found[1])
+    found = _first(env, ("GRIDCOMM_TOKEN_FILE",))
+    if found is None:
+        return None
+    try:
+        with open(found[1], encoding="utf-8") as handle:
+            text = handle.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"GRIDCOMM_TOKEN_FILE={found[1]!r} cannot be read: {exc.strerror}.") from exc
+    return validate_token("GRIDCOMM_TOKEN_FILE", text)
+
+
+def validate_token(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value or not value.isprintable() or len(value) > 4096:
+        raise ConfigError(f"{name} must be a non-empty printable string of at most 4096 characters.")
+    return value
+
+
+def job_id(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    if explicit is None:
+        found = _first(_env(environ), ("GRIDCOMM_JOB_ID",))
+        explicit = DEFAULT_JOB_ID if found is None else found[1]
+    if not isinstance(explicit, str) or not explicit or len(explicit) > 256 or not explicit.isprintable():
+        raise ConfigError(f"job id {explicit!r} must be a printable string of 1 to 256 characters.")
+    return explicit
+
+
+def backend(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    if explicit is None:
+        found = _first(_env(environ), ("GRIDCOMM_BACKEND",))
+        explicit, name = ("nccl", "backend") if found is None else (found[1], found[0])
+    else:
+        name = "backend"
+    if explicit not in BACKENDS:
+        raise ConfigError(f"{name}={explicit!r} is not a backend; choose one of {', '.join(BACKENDS)}.")
+    return explicit
+
+
+def coordinator_mode(environ: Mapping[str, str] | None = None) -> str:
+    found = _first(_env(environ), ("GRIDCOMM_COORDINATOR",))
+    mode = "embedded" if found is None else found[1]
+    if mode not in ("embedded", "external"):
+        raise ConfigError(f"GRIDCOMM_COORDINATOR={mode!r} must be 'embedded' or 'external'.")
+    return mode
+
+
+def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            value = operator.index(value)  # numpy integers
+        except TypeError:
+            raise ConfigError(f"{name}={value!r} must be an integer.") from None
+    return _parse_int(name, str(value), minimum=minimum, maximum=maximum)

@@ -1,0 +1,56 @@
+"""The gridcomm error hierarchy.
+
+Every error a caller can see from gridcomm is a :class:`GridcommError` subclass; gRPC and CuPy
+exceptions are wrapped (``raise ... from exc``) so callers never handle ``grpc.RpcError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class GridcommError(Exception):
+    """Raised for every gridcomm failure; the base of all gridcomm errors."""
+
+
+class ConfigError(GridcommError, ValueError):
+    """Raised when an argument, environment variable or request is invalid; the message names the
+    setting, the value and the fix."""
+
+
+class RendezvousTimeout(GridcommError, TimeoutError):
+    """Raised when a join, barrier or key lookup did not complete within its deadline.
+
+    ``missing_ranks`` lists the ranks that were still awaited (empty when unknown).
+    """
+
+    def __init__(self, message: str, missing_ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.missing_ranks: list[int] = sorted(missing_ranks)
+
+
+class RankFailedError(GridcommError):
+    """Raised on every surviving rank when another rank died, hung, lost its network or reported an
+    error. ``rank`` is the failed rank (-1 when unknown) and ``reason`` says why."""
+
+    def __init__(self, message: str, rank: int = -1, reason: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.reason = reason
+
+
+class AuthenticationError(GridcommError):
+    """Raised when the coordinator refused the caller's token or TLS credentials."""
+
+
+class CommAborted(GridcommError):
+    """Raised when a communicator was aborted (by ``abort()``) or used after ``stop()``."""
+
+
+class CoordinatorUnavailable(GridcommError, ConnectionError):
+    """Raised when the coordinator cannot be reached (not listening, unresolvable, or gone) within
+    the deadline."""
+
+
+class ArgumentError(ConfigError):
+    """Raised when a collective is called with an invalid array, shape, dtype, op, root or peer."""

@@ -1,0 +1,236 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class MemberState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEMBER_STATE_UNSPECIFIED: _ClassVar[MemberState]
+    MEMBER_STATE_JOINED: _ClassVar[MemberState]
+    MEMBER_STATE_LEFT: _ClassVar[MemberState]
+    MEMBER_STATE_FAILED: _ClassVar[MemberState]
+MEMBER_STATE_UNSPECIFIED: MemberState
+MEMBER_STATE_JOINED: MemberState
+MEMBER_STATE_LEFT: MemberState
+MEMBER_STATE_FAILED: MemberState
+
+class Caller(_message.Message):
+    __slots__ = ("job_id", "rank", "incarnation", "generation")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    incarnation: int
+    generation: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class Member(_message.Message):
+    __slots__ = ("rank", "hostname", "incarnation", "state", "joined_at_unix_s")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    JOINED_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    hostname: str
+    incarnation: int
+    state: MemberState
+    joined_at_unix_s: float
+    def __init__(self, rank: _Optional[int] = ..., hostname: _Optional[str] = ..., incarnation: _Optional[int] = ..., state: _Optional[_Union[MemberState, str]] = ..., joined_at_unix_s: _Optional[float] = ...) -> None: ...
+
+class Failure(_message.Message):
+    __slots__ = ("rank", "reason", "at_unix_s", "reported_by")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_BY_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    reason: str
+    at_unix_s: float
+    reported_by: int
+    def __init__(self, rank: _Optional[int] = ..., reason: _Optional[str] = ..., at_unix_s: _Optional[float] = ..., reported_by: _Optional[int] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("job_id", "rank", "world_size", "incarnation", "hostname", "wait_s")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    world_size: int
+    incarnation: int
+    hostname: str
+    wait_s: float
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., hostname: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("generation", "world_size", "members", "heartbeat_timeout_s")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    world_size: int
+    members: _containers.RepeatedCompositeFieldContainer[Member]
+    heartbeat_timeout_s: float
+    def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+
+class SetRequest(_message.Message):
+    __slots__ = ("caller", "key", "value")
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    caller: Caller
+    key: str
+    value: bytes
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+
+class SetResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("caller", "key", "wait_s")
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    caller: Caller
+    key: str
+    wait_s: float
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: bytes
+    def __init__(self, value: _Optional[bytes] = ...) -> None: ...
+
+class BarrierRequest(_message.Message):
+    __slots__ = ("caller", "name", "seq", "wait_s")
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    caller: Caller
+    name: str
+    seq: int
+    wait_s: float
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class BarrierResponse(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("caller",)
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    caller: Caller
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("failures",)
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    failures: _containers.RepeatedCompositeFieldContainer[Failure]
+    def __init__(self, failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ...) -> None: ...
+
+class ReportFailureRequest(_message.Message):
+    __slots__ = ("caller", "reason")
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    caller: Caller
+    reason: str
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReportFailureResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("caller",)
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    caller: Caller
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BarrierStatus(_message.Message):
+    __slots__ = ("name", "seq", "arrived_ranks", "missing_ranks", "waiting_s")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    seq: int
+    arrived_ranks: _containers.RepeatedScalarFieldContainer[int]
+    missing_ranks: _containers.RepeatedScalarFieldContainer[int]
+    waiting_s: float
+    def __init__(self, name: _Optional[str] = ..., seq: _Optional[int] = ..., arrived_ranks: _Optional[_Iterable[int]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., waiting_s: _Optional[float] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("job_id", "world_size", "generation", "members", "missing_ranks", "barriers", "failures", "uptime_s", "serving")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    BARRIERS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    world_size: int
+    generation: int
+    members: _containers.RepeatedCompositeFieldContainer[Member]
+    missing_ranks: _containers.RepeatedScalarFieldContainer[int]
+    barriers: _containers.RepeatedCompositeFieldContainer[BarrierStatus]
+    failures: _containers.RepeatedCompositeFieldContainer[Failure]
+    uptime_s: float
+    serving: bool
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., barriers: _Optional[_Iterable[_Union[BarrierStatus, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., serving: bool = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("caller", "channel", "seq", "total_bytes", "data")
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    caller: Caller
+    channel: str
+    seq: int
+    total_bytes: int
+    data: bytes
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., channel: _Optional[str] = ..., seq: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TakeRequest(_message.Message):
+    __slots__ = ("caller", "channel", "seq", "wait_s")
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    caller: Caller
+    channel: str
+    seq: int
+    wait_s: float
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., channel: _Optional[str] = ..., seq: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...

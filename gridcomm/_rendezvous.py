@@ -1,0 +1,341 @@
+"""Rendezvous, key-value, barrier and liveness decisions as plain state.
+
+No gRPC, no asyncio, no clock reads: the caller passes ``now`` (seconds, monotonic) into every
+method that needs time, so every branch is unit-tested with an injected clock and no network.
+The server (``_server.py``) owns the waiting; this module only decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable
+
+#: Error codes, spelled as gRPC status names so the server maps them one to one.
+INVALID_ARGUMENT = "INVALID_ARGUMENT"
+ALREADY_EXISTS = "ALREADY_EXISTS"
+FAILED_PRECONDITION = "FAILED_PRECONDITION"
+ABORTED = "ABORTED"
+RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+NOT_FOUND = "NOT_FOUND"
+
+
+class StateError(Exception):
+    """A request the state refuses; ``code`` is a gRPC status name."""
+
+    def __init__(self, code: str, message: str, *, failed_rank: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.failed_rank = failed_rank
+
+
+class MemberState(enum.IntEnum):
+    JOINED = 1
+    LEFT = 2
+    FAILED = 3
+
+
+@dataclasses.dataclass
+class Member:
+    rank: int
+    incarnation: int
+    hostname: str
+    joined_at: float
+    last_seen: float
+    state: MemberState = MemberState.JOINED
+    #: Calls of this member in flight; a member with none and a stale last_seen may be replaced
+    #: before the rendezvous completes (its process died while waiting to join).
+    active_calls: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    rank: int
+    reason: str
+    at: float
+    reported_by: int
+
+
+@dataclasses.dataclass
+class _Barrier:
+    #: Highest seq each rank has arrived at (index = rank).
+    arrived: list[int]
+    #: Highest seq every rank has reached (the barrier instances that are complete).
+    completed: int = 0
+    #: How many ranks have arrived at instance completed + 1.
+    count_next: int = 0
+    #: When the first rank arrived at the oldest incomplete instance (for status and progress).
+    waiting_since: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_key_bytes: int = 1024
+    max_value_bytes: int = 64 * 1024 * 1024
+    max_keys: int = 1_000_000
+    max_total_value_bytes: int = 1024 * 1024 * 1024
+    max_barrier_names: int = 1_000_000
+    max_name_bytes: int = 1024
+    max_hostname_bytes: int = 256
+    #: A pre-rendezvous member with no call in flight for this long may be replaced by a new
+    #: incarnation (its process died while joining); a live one re-polls well within it.
+    stale_join_s: float = 2.0
+
+
+class JobState:
+    """The coordinator's view of one job: members, generation, keys, barriers, failures."""
+
+    def __init__(self, world_size: int, job_id: str, *, now: float, limits: Limits | None = None) -> None:
+        if world_size < 1:
+            raise ValueError("world_size must be >= 1")
+        self.world_size = world_size
+        self.job_id = job_id
+        self.limits = limits or Limits()
+        self.started_at = now
+        self.generation = 0
+        self.members: dict[int, Member] = {}
+        self.failures: list[Failure] = []
+        self._failed: dict[int, Failure] = {}
+        self.kv: dict[str, bytes] = {}
+        self._kv_bytes = 0
+        self.barriers: dict[str, _Barrier] = {}
+
+    # ----------------------------------------------------------------- join and identity
+    @property
+    def complete(self) -> bool:
+        return self.generation > 0
+
+    def missing_join(self) -> list[int]:
+        return [r for r in range(self.world_size) if r not in self.members]
+
+    def join(self, job_id: str, rank: int, world_size: int, incarnation: int, hostname: str, now: float) -> bool:
+        """Registers a rank; returns True when this join completed the rendezvous."""
+        self._check_job(job_id)
+        if world_size != self.world_size:
+            # Why: a mismatch means the pods were launched from different specs; refuse loudly.
+            raise StateError(
+                INVALID_ARGUMENT,
+                f"rank {rank} says the world size is {world_size}, but this coordinator was started for "
+                f"{self.world_size} ranks; launch every rank with the same world size.",
+            )
+        self._check_rank(rank, "join")
+        if incarnation == 0:
+            raise StateError(INVALID_ARGUMENT, f"rank {rank} joined with incarnation 0; it must be a random non-zero number.")
+        if len(hostname.encode()) > self.limits.max_hostname_bytes:
+            raise StateError(INVALID_ARGUMENT, f"rank {rank}'s hostname is longer than {self.limits.max_hostname_bytes} bytes.")
+        if self._failed:
+            raise self._failure_error(f"rank {rank} cannot join")
+        old = self.members.get(rank)
+        if old is not None:
+            if old.incarnation == incarnation:
+                # Why: the same process re-polling (long-poll slices, retries) is idempotent.
+                old.last_seen = now
+                return False
+            if self.complete:
+                # Why: a restarted process after the rendezvous cannot be mixed into the running
+                # job (its NCCL peers hold the old one); fail the rank so every other rank learns.
+                self.fail(rank, f"rank {rank} restarted (new incarnation {incarnation:#x} from {hostname or '?'}) "
+                          "after the rendezvous completed", reported_by=-1, now=now)
+                raise StateError(
+                    FAILED_PRECONDITION,
+                    f"rank {rank} already joined generation {self.generation} as incarnation "
+                    f"{old.incarnation:#x} from {old.hostname or '?'}; a restarted process cannot rejoin a "
+                    "running job; restart the whole job.",
+                    failed_rank=rank,
+                )
+            if old.active_calls > 0 or now - old.last_seen < self.limits.stale_join_s:
+                raise StateError(
+                    ALREADY_EXISTS,
+                    f"rank {rank} is already taken by a live process on {old.hostname or '?'} (incarnation "
+                    f"{old.incarnation:#x}); each rank must be started exactly once.",
+                )
+            # Why: the old incarnation died while waiting to join; the new process takes its place.
+        self.members[rank] = Member(rank, incarnation, hostname, joined_at=now, last_seen=now)
+        if len(self.members) == self.world_size:
+            self.generation = 1
+            return True
+        return False
+
+    def check_caller(self, job_id: str, rank: int, incarnation: int, generation: int, what: str) -> Member:
+        """Validates the identity on a post-join request and returns the member."""
+        self._check_job(job_id)
+        self._check_rank(rank, what)
+        member = self.members.get(rank)
+        if member is None:
+            raise StateError(FAILED_PRECONDITION, f"rank {rank} called {what} before joining; call join() first.")
+        if member.incarnation != incarnation:
+            raise StateError(
+                FAILED_PRECONDITION,
+                f"rank {rank} called {what} as incarnation {incarnation:#x}, but the rank belongs to incarnation "
+                f"{member.incarnation:#x}; a restarted process cannot use the old process's session.",
+            )
+        if generation != self.generation:
+            raise StateError(
+                FAILED_PRECONDITION,
+                f"rank {rank} called {what} for generation {generation}, but the job is at generation "
+                f"{self.generation}; rejoin first.",
+            )
+        if member.state is MemberState.LEFT:
+            raise StateError(FAILED_PRECONDITION, f"rank {rank} called {what} after it left the job.")
+        return member
+
+    def _check_job(self, job_id: str) -> None:
+        if job_id != self.job_id:
+            raise StateError(
+                INVALID_ARGUMENT,
+                f"job id {job_id!r} does not match this coordinator's job {self.job_id!r}; "
+                "set the same GRIDCOMM_JOB_ID on every rank.",
+            )
+
+    def _check_rank(self, rank: int, what: str) -> None:
+        if not 0 <= rank < self.world_size:
+            raise StateError(
+                INVALID_ARGUMENT,
+                f"{what} from rank {rank} is out of range for world size {self.world_size}; ranks are "
+                f"0..{self.world_size - 1}.",
+            )
+
+    # ----------------------------------------------------------------- key-value
+    def _check_key(self, key: str) -> None:
+        size = len(key.encode())
+        if size == 0 or size > self.limits.max_key_bytes:
+            raise StateError(INVALID_ARGUMENT, f"key length {size} bytes must be between 1 and {self.limits.max_key_bytes}.")
+
+    def set(self, key: str, value: bytes) -> None:
+        self._check_key(key)
+        if len(value) > self.limits.max_value_bytes:
+            raise StateError(
+                RESOURCE_EXHAUSTED,
+                f"value for key {key!r} is {len(value)} bytes; the limit is {self.limits.max_value_bytes}.",
+            )
+        old = self.kv.get(key)
+        grow = len(value) - (len(old) if old is not None else 0)
+        if old is None and len(self.kv) >= self.limits.max_keys:
+            raise StateError(RESOURCE_EXHAUSTED, f"the store holds {len(self.kv)} keys, its limit; key {key!r} was not set.")
+        if self._kv_bytes + grow > self.limits.max_total_value_bytes:
+            raise StateError(
+                RESOURCE_EXHAUSTED,
+                f"the store would hold more than {self.limits.max_total_value_bytes} bytes; key {key!r} was not set.",
+            )
+        self.kv[key] = value
+        self._kv_bytes += grow
+
+    def get(self, key: str) -> bytes | None:
+        self._check_key(key)
+        return self.kv.get(key)
+
+    # ----------------------------------------------------------------- barriers
+    def arrive(self, name: str, rank: int, seq: int, now: float) -> int:
+        """Records rank's arrival at instance ``seq`` of barrier ``name``.
+
+        Returns the highest instance that is complete after this arrival (>= seq means done).
+        """
+        size = len(name.encode())
+        if size == 0 or size > self.limits.max_name_bytes:
+            raise StateError(INVALID_ARGUMENT, f"barrier name length {size} must be between 1 and {self.limits.max_name_bytes} bytes.")
+        if seq < 1:
+            raise StateError(INVALID_ARGUMENT, f"barrier {name!r} seq {seq} must be >= 1.")
+        barrier = self.barriers.get(name)
+        if barrier is None:
+            if len(self.barriers) >= self.limits.max_barrier_names:
+                raise StateError(RESOURCE_EXHAUSTED, f"{len(self.barriers)} barrier names are in use, the limit.")
+            barrier = self.barriers[name] = _Barrier(arrived=[0] * self.world_size)
+        mine = barrier.arrived[rank]
+        if seq > mine + 1:
+            # Why: a rank cannot skip an instance; seq counts its own arrivals at this name.
+            raise StateError(
+                INVALID_ARGUMENT,
+                f"rank {rank} arrived at barrier {name!r} #{seq}, but its previous arrival was #{mine}; "
+                "seq must count up by one.",
+            )
+        if seq > mine:
+            barrier.arrived[rank] = seq
+            if barrier.waiting_since is None:
+                barrier.waiting_since = now
+            if seq == barrier.completed + 1:
+                barrier.count_next += 1
+                # Why: counting arrivals keeps an arrival O(1); the recount runs once per instance.
+                while barrier.count_next == self.world_size:
+                    barrier.completed += 1
+                    barrier.count_next = sum(1 for s in barrier.arrived if s > barrier.completed)
+                    barrier.waiting_since = now if barrier.count_next else None
+        return barrier.completed
+
+    def barrier_missing(self, name: str, seq: int) -> list[int]:
+        barrier = self.barriers.get(name)
+        if barrier is None:
+            return list(range(self.world_size))
+        return [r for r, s in enumerate(barrier.arrived) if s < seq]
+
+    def barrier_blocker(self, name: str, seq: int) -> Member | None:
+        """A member that left cleanly before arriving at ``name``#``seq``: the barrier can never complete."""
+        for rank in self.barrier_missing(name, seq):
+            member = self.members.get(rank)
+            if member is not None and member.state is MemberState.LEFT:
+                return member
+        return None
+
+    def pending_barriers(self, now: float) -> Iterable[tuple[str, int, list[int], list[int], float]]:
+        for name, barrier in self.barriers.items():
+            top = max(barrier.arrived)
+            if top > barrier.completed:
+                seq = barrier.completed + 1
+                arrived = [r for r, s in enumerate(barrier.arrived) if s >= seq]
+                missing = [r for r, s in enumerate(barrier.arrived) if s < seq]
+                since = barrier.waiting_since if barrier.waiting_since is not None else now
+                yield name, seq, arrived, missing, max(0.0, now - since)
+
+    # ----------------------------------------------------------------- leave, failure, liveness
+    def leave(self, rank: int, now: float) -> None:
+        member = self.members[rank]
+        if member.state is MemberState.JOINED:
+            member.state = MemberState.LEFT
+            member.last_seen = now
+
+    def all_left(self) -> bool:
+        """True when every rank has left or failed (rank 0 may stop serving)."""
+        return self.complete and all(m.state is not MemberState.JOINED for m in self.members.values())
+
+    def fail(self, rank: int, reason: str, reported_by: int, now: float) -> Failure | None:
+        """Marks ``rank`` failed; returns the failure if it is new (the first report wins)."""
+        if rank in self._failed:
+            return None
+        member = self.members.get(rank)
+        if member is not None and member.state is MemberState.LEFT:
+            # Why: a clean leave followed by a lost connection is not a failure.
+            return None
+        failure = Failure(rank, reason[:2048], now, reported_by)
+        self._failed[rank] = failure
+        self.failures.append(failure)
+        if member is not None:
+            member.state = MemberState.FAILED
+        return failure
+
+    @property
+    def failed(self) -> bool:
+        return bool(self._failed)
+
+    def first_failure(self) -> Failure | None:
+        return self.failures[0] if self.failures else None
+
+    def _failure_error(self, what: str) -> StateError:
+        first = self.failures[0]
+        return StateError(ABORTED, f"{what}: rank {first.rank} failed: {first.reason}", failed_rank=first.rank)
+
+    def check_not_failed(self, what: str) -> None:
+        if self._failed:
+            raise self._failure_error(what)
+
+    def touch(self, rank: int, now: float) -> None:
+        member = self.members.get(rank)
+        if member is not None:
+            member.last_seen = now
+
+    def expired(self, now: float, timeout_s: float) -> list[int]:
+        """Ranks that joined, have not left or failed, and were not heard from within timeout_s."""
+        return [
+            m.rank
+            for m in self.members.values()
+            if m.state is MemberState.JOINED and m.active_calls == 0 and now - m.last_seen > timeout_s
+        ]

@@ -1,0 +1,549 @@
+"""The coordinator: a ``grpc.aio`` server on a thread of its own.
+
+One event loop serves every rank; a waiting rank costs a future, never a thread. The decisions
+live in :mod:`gridcomm._rendezvous`; this module only waits, wakes and translates to gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from gridcomm import _config
+from gridcomm._errors import ConfigError, CoordinatorUnavailable
+from gridcomm._proto import coordinator_pb2 as pb
+from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from gridcomm._rendezvous import JobState, Limits, MemberState, StateError
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "gridcomm.v1.Coordinator"
+MISSING_KEY = "gridcomm-missing-ranks"
+FAILED_KEY = "gridcomm-failed-rank"
+#: Margin kept between the server's answer and the caller's gRPC deadline, so a timed-out wait
+#: reaches the caller as our structured answer rather than as the transport's DEADLINE_EXCEEDED.
+_ANSWER_MARGIN_S = 0.25
+#: Largest message accepted or sent: a full 64 MiB value plus framing.
+MAX_MESSAGE_BYTES = 80 * 1024 * 1024
+
+_T = TypeVar("_T")
+
+
+def server_options() -> list[tuple[str, Any]]:
+    """gRPC server options, set explicitly: a long-poll server CANCELs calls past ~1,000 parked
+    waiters with the defaults, and a second server on the same port must fail, not share it."""
+    return [
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.server.max_pending_requests", 1 << 20),
+        ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
+        ("grpc.max_concurrent_streams", 1 << 16),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def _status_code(name: str) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, name)
+
+
+def _ranks_text(ranks: Iterable[int], limit: int = 4096) -> str:
+    text = ",".join(str(r) for r in ranks)
+    return text[:limit]
+
+
+def _bounded(ranks: list[int], shown: int = 16) -> str:
+    if len(ranks) <= shown:
+        return str(ranks)
+    return f"{ranks[:shown]}... ({len(ranks)} in all)"
+
+
+class _Abort(Exception):
+    """Raised inside a handler to answer with a status (and trailing metadata)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.metadata = metadata
+
+
+def _handler(method: Callable[..., Awaitable[_T]]) -> Callable[..., Awaitable[_T]]:
+    """Wraps a servicer method: checks the token, maps refusals to statuses, never lets an
+    exception escape to crash or confuse the server."""
+
+    name = method.__name__
+
+    async def wrapped(self: _Servicer, request: Any, context: grpc.aio.ServicerContext) -> _T:
+        try:
+            self._authenticate(context, name)
+            return await method(self, request, context)
+        except _Abort as exc:
+            await context.abort(exc.code, exc.message, trailing_metadata=exc.metadata)
+        except StateError as exc:
+            metadata = ((FAILED_KEY, str(exc.failed_rank)),) if exc.failed_rank is not None else ()
+            await context.abort(_status_code(exc.code), exc.message, trailing_metadata=metadata)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the coordinator must survive any request
+            log.exception("coordinator: %s failed on an unexpected error", name)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{name} failed inside the coordinator: {exc!r}")
+        raise AssertionError("unreachable")  # context.abort always raises
+
+    wrapped.__name__ = name
+    wrapped.__doc__ = method.__doc__
+    return wrapped
+
+
+class _Servicer(pb_grpc.CoordinatorServicer):
+    def __init__(self, owner: Coordinator) -> None:
+        self._owner = owner
+        self._state = owner.state
+        self._loop = asyncio.get_running_loop()
+        self._waiters: dict[tuple[Any, ...], list[asyncio.Future[None]]] = {}
+        self._token = owner._token.encode() if owner._token is not None else None
+        self._auth_failures = 0
+        self._mailbox: dict[tuple[str, int], bytes] = {}
+        self._mailbox_bytes = 0
+
+    # ------------------------------------------------------------------ plumbing
+    def _now(self) -> float:
+        return time.monotonic()
+
+    def _authenticate(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        if self._token is None:
+            return
+        supplied = b""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                supplied = value.encode() if isinstance(value, str) else bytes(value)
+                break
+        expected = b"Bearer " + self._token
+        if not hmac.compare_digest(supplied, expected):
+            self._auth_failures += 1
+            log.warning(
+                "coordinator: refused %s from %s: %s token", method, context.peer(),
+                "missing" if not supplied else "wrong",
+            )
+            raise _Abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{method} refused: the {'token is missing' if not supplied else 'token is wrong'}; "
+                "set the same GRIDCOMM_TOKEN (or GRIDCOMM_TOKEN_FILE) on every rank and the coordinator.",
+            )
+
+    def _wake(self, key: tuple[Any, ...]) -> None:
+        for fut in self._waiters.pop(key, ()):
+            if not fut.done():
+                fut.set_result(None)
+
+    def wake_all(self) -> None:
+        """Every waiter re-checks its condition (after a failure, abort or stop)."""
+        waiters, self._waiters = self._waiters, {}
+        for futs in waiters.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_result(None)
+
+    async def _wait(
+        self,
+        key: tuple[Any, ...],
+        done: Callable[[], bool],
+        wait_s: float,
+        context: grpc.aio.ServicerContext,
+        what: str,
+    ) -> bool:
+        """Waits until ``done()``, a failure, or the bounded wait ends; returns ``done()``."""
+        remaining_call = context.time_remaining()
+        budget = wait_s
+        if remaining_call is not None:
+            budget = min(budget, remaining_call - _ANSWER_MARGIN_S)
+        deadline = self._loop.time() + max(0.0, budget)
+        while True:
+            self._state.check_not_failed(what)
+            if self._owner._closing:
+                raise _Abort(grpc.StatusCode.UNAVAILABLE, f"{what}: the coordinator is shutting down.")
+            if done():
+                return True
+            remaining = deadline - self._loop.time()
+            if remaining <= 0:
+                return False
+            fut: asyncio.Future[None] = self._loop.create_future()
+            futs = self._waiters.setdefault(key, [])
+            futs.append(fut)
+            timer = self._loop.call_later(remaining, _settle, fut)
+            try:
+                await fut
+            finally:
+                timer.cancel()
+                if self._waiters.get(key) is futs:
+                    # Why: a wake pops the whole list; a list still here means this wait timed
+                    # out or was cancelled, so drop the future and keep abandoned waits (a Get
+                    # for a key that never comes) from piling up.
+                    try:
+                        futs.remove(fut)
+                    except ValueError:
+                        pass
+                    if not futs:
+                        del self._waiters[key]
+
+    def _caller(self, caller: pb.Caller, what: str) -> Any:
+        state = self._state
+        member = state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, what)
+        member.last_seen = self._now()
+        return member
+
+    def _on_failure(self) -> None:
+        self._owner._set_serving(False)
+        self.wake_all()
+
+    # ------------------------------------------------------------------ RPCs
+    @_handler
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse:
+        state = self._state
+        now = self._now()
+        completed = state.join(
+            request.job_id, request.rank, request.world_size, request.incarnation, request.hostname, now
+        )
+        member = state.members[request.rank]
+        if completed:
+            log.info("coordinator: all %d ranks joined; generation %d", state.world_size, state.generation)
+            self._wake(("join",))
+        member.active_calls += 1
+        try:
+            ok = await self._wait(("join",), lambda: state.complete, request.wait_s, context, f"join of rank {request.rank}")
+        finally:
+            member.active_calls -= 1
+            member.last_seen = self._now()
+        if state.members.get(request.rank) is not member:
+            raise _Abort(grpc.StatusCode.ABORTED, f"rank {request.rank} was replaced by a newer process while joining.")
+        if not ok:
+            missing = state.missing_join()
+            raise _Abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"{len(missing)} of {state.world_size} ranks have not joined: {_bounded(missing)}",
+                ((MISSING_KEY, _ranks_text(missing)),),
+            )
+        return pb.JoinResponse(
+            generation=state.generation,
+            world_size=state.world_size,
+            members=[_member_pb(m) for m in state.members.values()] if state.world_size <= 4096 else [],
+            heartbeat_timeout_s=self._owner.heartbeat_timeout_s,
+        )
+
+    @_handler
+    async def Set(self, request: pb.SetRequest, context: grpc.aio.ServicerContext) -> pb.SetResponse:
+        self._caller(request.caller, "set")
+        self._state.check_not_failed("set")
+        self._state.set(request.key, request.value)
+        self._wake(("kv", request.key))
+        return pb.SetResponse()
+
+    @_handler
+    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> pb.GetResponse:
+        member = self._caller(request.caller, "get")
+        state = self._state
+        key = request.key
+        state.get(key)  # validates the key
+        member.active_calls += 1
+        try:
+            ok = await self._wait(("kv", key), lambda: key in state.kv, request.wait_s, context, f"get of {key!r}")
+        finally:
+            member.active_calls -= 1
+            member.last_seen = self._now()
+        if not ok:
+            raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"key {key!r} was not set within {request.wait_s:.1f} s")
+        return pb.GetResponse(value=state.kv[key])
+
+    @_handler
+    async def Barrier(self, request: pb.BarrierRequest, context: grpc.aio.ServicerContext) -> pb.BarrierResponse:
+        rank = request.caller.rank
+        member = self._caller(request.caller, "barrier")
+        state = self._state
+        state.check_not_failed(f"barrier {request.name!r}")
+        name, seq = request.name, request.seq
+        before = state.barriers[name].completed if name in state.barriers else 0
+        completed = state.arrive(name, rank, seq, self._now())
+        for done_seq in range(before + 1, completed + 1):
+            self._wake(("barrier", name, done_seq))
+        if completed >= seq:
+            return pb.BarrierResponse(seq=seq)
+        blocker = state.barrier_blocker(name, seq)
+        if blocker is not None:
+            raise _Abort(
+                grpc.StatusCode.ABORTED,
+                f"barrier {name!r} #{seq} cannot complete: rank {blocker.rank} left the job before arriving",
+                ((FAILED_KEY, str(blocker.rank)),),
+            )
+        member.active_calls += 1
+        try:
+            barrier = state.barriers[name]
+            ok = await self._wait(
+                ("barrier", name, seq), lambda: barrier.completed >= seq, request.wait_s, context,
+                f"barrier {name!r}",
+            )
+        finally:
+            member.active_calls -= 1
+            member.last_seen = self._now()
+        if not ok:
+            missing = state.barrier_missing(name, seq)
+            raise _Abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"barrier {name!r} #{seq}: {len(missing)} of {state.world_size} ranks have not arrived: "
+                f"{_bounded(missing)}",
+                ((MISSING_KEY, _ranks_text(missing)),),
+            )
+        return pb.BarrierResponse(seq=seq)
+
+    @_handler
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
+        self._caller(request.caller, "heartbeat")
+        return pb.HeartbeatResponse(failures=[_failure_pb(f) for f in self._state.failures])
+
+    @_handler
+    async def ReportFailure(
+        self, request: pb.ReportFailureRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportFailureResponse:
+        rank = request.caller.rank
+        self._caller(request.caller, "report_failure")
+        failure = self._state.fail(rank, request.reason or "reported an error", rank, self._now())
+        if failure is not None:
+            log.error("coordinator: rank %d reported a failure: %s", rank, failure.reason)
+            self._on_failure()
+        return pb.ReportFailureResponse()
+
+    @_handler
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
+        state = self._state
+        caller = request.caller
+        member = state.members.get(caller.rank)
+        if member is None or member.state is not MemberState.LEFT or member.incarnation != caller.incarnation:
+            state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, "leave")
+        state.leave(caller.rank, self._now())
+        # Why: barriers waiting on this rank can never complete; let them fail now.
+        self.wake_all()
+        if state.all_left():
+            self._owner._all_left.set()
+        return pb.LeaveResponse()
+
+    @_handler
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        state = self._state
+        now = self._now()
+        return pb.StatusResponse(
+            job_id=state.job_id,
+            world_size=state.world_size,
+            generation=state.generation,
+            members=[_member_pb(m) for m in sorted(state.members.values(), key=lambda m: m.rank)],
+            missing_ranks=state.missing_join(),
+            barriers=[
+                pb.BarrierStatus(name=n, seq=s, arrived_ranks=a, missing_ranks=m, waiting_s=w)
+                for n, s, a, m, w in state.pending_barriers(now)
+            ],
+            failures=[_failure_pb(f) for f in state.failures],
+            uptime_s=now - state.started_at,
+            serving=self._owner.serving,
+        )
+
+
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _member_pb(member: Any) -> pb.Member:
+    return pb.Member(
+        rank=member.rank,
+        hostname=member.hostname,
+        incarnation=member.incarnation,
+        state=int(member.state),
+        joined_at_unix_s=time.time() - (time.monotonic() - member.joined_at),
+    )
+
+
+def _failure_pb(failure: Any) -> pb.Failure:
+    return pb.Failure(
+        rank=failure.rank,
+        reason=failure.reason,
+        at_unix_s=time.time() - (time.monotonic() - failure.at),
+        reported_by=failure.reported_by,
+    )
+
+
+class Coordinator:
+    """The gridcomm control-plane server (rendezvous, key-value, barriers, liveness, health).
+
+    Runs a ``grpc.aio`` server on a thread of its own, so it can live inside the rank-0 process
+    (the default) or standalone (``gridcomm serve``)::
+
+        server = gridcomm.Coordinator(world_size=2, port=0).start()
+        print(server.port)          # the bound port
+        ...
+        server.stop()
+
+    ``bind`` is the listen address; ``port=0`` picks a free port. With ``token`` set, every
+    coordinator RPC must carry it (health checks need none, as kubelet sends none).
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        bind: str = "0.0.0.0",
+        port: int = 0,
+        token: str | None = None,
+        *,
+        job_id: str | None = None,
+        heartbeat_timeout_s: float | None = None,
+        limits: Limits | None = None,
+    ) -> None:
+        self.world_size = _config.world_size(world_size)
+        self.bind = _config.validate_host("bind", bind)
+        _, self._requested_port = _config.coordinator_address("localhost", port)
+        self._token = _config.validate_token("token", token) if token is not None else None
+        self.job_id = _config.job_id(job_id)
+        self.heartbeat_timeout_s = _config.heartbeat_timeout_s(heartbeat_timeout_s)
+        self.state = JobState(self.world_size, self.job_id, now=time.monotonic(), limits=limits)
+        self._port: int | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._stop_requested: asyncio.Event | None = None
+        self._all_left = threading.Event()
+        self._closing = False
+        self._servicer: _Servicer | None = None
+        self._health: Any = None
+        self.serving = False
+        self._stopped = threading.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def port(self) -> int:
+        """The port the server listens on (after start())."""
+        if self._port is None:
+            raise ConfigError("the coordinator has not been started; call start() first.")
+        return self._port
+
+    @property
+    def address(self) -> str:
+        host = "127.0.0.1" if self.bind in ("0.0.0.0", "::", "") else self.bind
+        return _config.format_target(host, self.port)
+
+    def start(self, timeout_s: float = 30.0) -> Coordinator:
+        """Binds and starts serving; returns self once the port is bound (raises if it cannot be)."""
+        if self._thread is not None:
+            raise ConfigError("this Coordinator was already started; create a new one.")
+        if self._token is None and self.bind in ("0.0.0.0", "::"):
+            log.warning(
+                "coordinator: listening on all interfaces (%s) without a token; set GRIDCOMM_TOKEN to "
+                "refuse callers that do not know it", self.bind,
+            )
+        self._thread = threading.Thread(target=self._run, name="gridcomm-coordinator", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise CoordinatorUnavailable(f"the coordinator did not start within {timeout_s:.1f} s.")
+        if self._start_error is not None:
+            raise self._start_error
+        return self
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._serve())
+        except BaseException as exc:  # noqa: BLE001 - reported to start() or logged
+            if not self._ready.is_set():
+                self._start_error = exc
+                self._ready.set()
+            else:
+                log.exception("coordinator: the server loop ended on an error")
+        finally:
+            try:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                loop.close()
+                self._stopped.set()
+
+    async def _serve(self) -> None:
+        self._stop_requested = asyncio.Event()
+        server = grpc.aio.server(options=server_options(), maximum_concurrent_rpcs=None)
+        self._servicer = _Servicer(self)
+        pb_grpc.add_CoordinatorServicer_to_server(self._servicer, server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        target = _config.format_target(self.bind, self._requested_port)
+        try:
+            port = server.add_insecure_port(target)
+        except RuntimeError as exc:
+            raise CoordinatorUnavailable(
+                f"the coordinator cannot listen on {target}: {exc}; is the port in use? choose another "
+                "with GRIDCOMM_PORT or port=0."
+            ) from exc
+        if port == 0:
+            raise CoordinatorUnavailable(
+                f"the coordinator cannot listen on {target}; is the port in use? choose another with "
+                "GRIDCOMM_PORT or port=0."
+            )
+        self._port = port
+        await server.start()
+        await self._set_serving_async(True)
+        log.info("coordinator: serving job %r for %d ranks on %s", self.job_id, self.world_size, target)
+        self._ready.set()
+        try:
+            await self._stop_requested.wait()
+        finally:
+            self._closing = True
+            await self._set_serving_async(False)
+            self._servicer.wake_all()
+            await server.stop(0.5)
+
+    async def _set_serving_async(self, serving: bool) -> None:
+        self.serving = serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, status)
+
+    def _set_serving(self, serving: bool) -> None:
+        """Called on the loop thread."""
+        asyncio.ensure_future(self._set_serving_async(serving))
+
+    def wait_all_left(self, timeout_s: float) -> bool:
+        """Waits until every rank has left (or failed); returns False at the timeout."""
+        return self._all_left.wait(timeout_s)
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Stops serving, first waiting up to ``grace_s`` for every rank to leave. Idempotent."""
+        if self._thread is None or self._loop is None or self._stopped.is_set():
+            return
+        if grace_s > 0:
+            self.wait_all_left(grace_s)
+        loop, stop = self._loop, self._stop_requested
+        if stop is not None:
+            try:
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:
+                pass  # loop already closed
+        self._thread.join(10.0)
+
+    def __enter__(self) -> Coordinator:
+        return self if self._thread is not None else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def hostname() -> str:
+    return socket.gethostname()

@@ -1,0 +1,103 @@
+"""Shared fixtures: a real coordinator on loopback and real OS processes per rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import pytest
+
+import gridcomm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def coordinator_factory() -> Iterator:
+    started: list[gridcomm.Coordinator] = []
+
+    def make(world_size: int, **kwargs) -> gridcomm.Coordinator:
+        kwargs.setdefault("bind", "127.0.0.1")
+        kwargs.setdefault("port", 0)
+        server = gridcomm.Coordinator(world_size, **kwargs).start()
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+
+class RankProcesses:
+    """One real OS process per rank, each running ``code`` with RANK/WORLD/PORT in its environment.
+
+    Always killed (by PID) in ``close()``; ``wait()`` reports every rank's output on failure.
+    """
+
+    def __init__(self, code: str, n: int, env: dict[str, str] | None = None, ranks: Sequence[int] | None = None,
+                 per_rank_env: dict[int, dict[str, str]] | None = None) -> None:
+        self.procs: dict[int, subprocess.Popen] = {}
+        base = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        base.update(env or {})
+        source = textwrap.dedent(code)
+        for rank in (range(n) if ranks is None else ranks):
+            rank_env = dict(base, GRIDCOMM_RANK=str(rank), GRIDCOMM_WORLD_SIZE=str(n))
+            rank_env.update((per_rank_env or {}).get(rank, {}))
+            self.procs[rank] = subprocess.Popen(
+                [sys.executable, "-c", source], env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )
+
+    def wait(self, timeout_s: float) -> dict[int, RankResult]:
+        results: dict[int, RankResult] = {}
+        try:
+            for rank, proc in self.procs.items():
+                try:
+                    out, err = proc.communicate(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    out, err = proc.communicate(timeout=10)
+                    results[rank] = RankResult(rank, None, out, err)
+                    continue
+                results[rank] = RankResult(rank, proc.returncode, out, err)
+        finally:
+            self.close()
+        return results
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    pass
+
+    def __enter__(self) -> RankProcesses:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def report(results: dict[int, RankResult]) -> str:
+    lines = []
+    for rank, r in sorted(results.items()):
+        lines.append(f"--- rank {rank}: returncode {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}")
+    return "\n".join(lines)
+
+
+def assert_all_ok(results: dict[int, RankResult]) -> None:
+    bad = [r for r in results.values() if r.returncode != 0]
+    assert not bad, "ranks failed:\n" + report(results)

@@ -1,0 +1,177 @@
+"""The pure decision module, with an injected clock and no network."""
+
+from __future__ import annotations
+
+import pytest
+
+from gridcomm._rendezvous import (
+    ABORTED,
+    ALREADY_EXISTS,
+    FAILED_PRECONDITION,
+    INVALID_ARGUMENT,
+    RESOURCE_EXHAUSTED,
+    JobState,
+    Limits,
+    MemberState,
+    StateError,
+)
+
+
+def joined(n: int = 3, now: float = 0.0) -> JobState:
+    state = JobState(n, "job", now=now)
+    for r in range(n):
+        state.join("job", r, n, incarnation=100 + r, hostname=f"h{r}", now=now)
+    return state
+
+
+def test_join_completes_when_last_rank_arrives():
+    state = JobState(3, "job", now=0.0)
+    assert state.join("job", 2, 3, 7, "h2", now=1.0) is False
+    assert state.missing_join() == [0, 1]
+    assert state.join("job", 0, 3, 8, "h0", now=2.0) is False
+    assert state.generation == 0
+    assert state.join("job", 1, 3, 9, "h1", now=3.0) is True
+    assert state.generation == 1 and state.complete and state.missing_join() == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, code, words",
+    [
+        (dict(job_id="other"), INVALID_ARGUMENT, "does not match"),
+        (dict(world_size=4), INVALID_ARGUMENT, "world size is 4"),
+        (dict(rank=3), INVALID_ARGUMENT, "out of range"),
+        (dict(rank=-1), INVALID_ARGUMENT, "out of range"),
+        (dict(incarnation=0), INVALID_ARGUMENT, "incarnation 0"),
+    ],
+)
+def test_join_rejections_name_the_problem(kwargs, code, words):
+    state = JobState(3, "job", now=0.0)
+    args = dict(job_id="job", rank=0, world_size=3, incarnation=5, hostname="h", now=0.0)
+    args.update(kwargs)
+    with pytest.raises(StateError) as info:
+        state.join(**args)
+    assert info.value.code == code and words in info.value.message
+
+
+def test_same_incarnation_rejoin_is_idempotent():
+    state = JobState(2, "job", now=0.0)
+    state.join("job", 0, 2, 5, "h", now=0.0)
+    assert state.join("job", 0, 2, 5, "h", now=1.0) is False
+    assert list(state.members) == [0]
+
+
+def test_duplicate_live_rank_is_refused_but_stale_one_is_replaced():
+    state = JobState(2, "job", now=0.0)
+    state.join("job", 0, 2, 5, "h", now=0.0)
+    state.members[0].active_calls = 1
+    with pytest.raises(StateError) as info:
+        state.join("job", 0, 2, 6, "other", now=100.0)
+    assert info.value.code == ALREADY_EXISTS
+    # Recently seen, no call in flight: still live (between long-poll slices).
+    state.members[0].active_calls = 0
+    state.members[0].last_seen = 99.5
+    with pytest.raises(StateError):
+        state.join("job", 0, 2, 6, "other", now=100.0)
+    # No call and stale: the process died while joining; the new incarnation takes over.
+    state.members[0].last_seen = 90.0
+    state.join("job", 0, 2, 6, "other", now=100.0)
+    assert state.members[0].incarnation == 6
+
+
+def test_restart_after_rendezvous_fails_the_rank():
+    state = joined(2)
+    with pytest.raises(StateError) as info:
+        state.join("job", 1, 2, 999, "h1", now=5.0)
+    assert info.value.code == FAILED_PRECONDITION and info.value.failed_rank == 1
+    assert state.failed and state.first_failure().rank == 1
+    assert state.members[1].state is MemberState.FAILED
+
+
+def test_check_caller_refuses_old_incarnation_and_generation():
+    state = joined(2)
+    assert state.check_caller("job", 0, 100, 1, "set").rank == 0
+    with pytest.raises(StateError, match="incarnation"):
+        state.check_caller("job", 0, 101, 1, "set")
+    with pytest.raises(StateError, match="generation 0"):
+        state.check_caller("job", 0, 100, 0, "set")
+    fresh = JobState(2, "job", now=0.0)
+    with pytest.raises(StateError, match="before joining"):
+        fresh.check_caller("job", 0, 100, 0, "set")
+
+
+def test_barrier_completes_on_last_arrival_and_counts_instances():
+    state = joined(3)
+    assert state.arrive("b", 0, 1, now=1.0) == 0
+    assert state.arrive("b", 1, 1, now=1.0) == 0
+    assert state.barrier_missing("b", 1) == [2]
+    # Rank 0 runs ahead to the second instance; it does not complete the first.
+    assert state.arrive("b", 0, 2, now=1.5) == 0
+    assert state.arrive("b", 2, 1, now=2.0) == 1
+    assert state.barrier_missing("b", 2) == [1, 2]
+    # Retries of an old arrival are idempotent.
+    assert state.arrive("b", 2, 1, now=2.5) == 1
+    state.arrive("b", 1, 2, now=3.0)
+    assert state.arrive("b", 2, 2, now=3.0) == 2
+
+
+def test_barrier_seq_cannot_skip():
+    state = joined(2)
+    with pytest.raises(StateError, match="count up by one"):
+        state.arrive("b", 0, 2, now=0.0)
+
+
+def test_pending_barriers_report_missing_and_wait_time():
+    state = joined(3, now=0.0)
+    state.arrive("x", 1, 1, now=10.0)
+    (name, seq, arrived, missing, waited), = list(state.pending_barriers(now=12.5))
+    assert (name, seq, arrived, missing) == ("x", 1, [1], [0, 2])
+    assert waited == pytest.approx(2.5)
+
+
+def test_barrier_blocked_by_a_rank_that_left():
+    state = joined(2)
+    state.leave(1, now=1.0)
+    state.arrive("b", 0, 1, now=1.0)
+    assert state.barrier_blocker("b", 1).rank == 1
+
+
+def test_kv_limits():
+    state = JobState(1, "job", now=0.0, limits=Limits(max_value_bytes=10, max_keys=2, max_key_bytes=4))
+    state.set("a", b"1" * 10)
+    with pytest.raises(StateError) as info:
+        state.set("b", b"1" * 11)
+    assert info.value.code == RESOURCE_EXHAUSTED
+    with pytest.raises(StateError) as info:
+        state.set("toolong", b"")
+    assert info.value.code == INVALID_ARGUMENT
+    state.set("b", b"")
+    with pytest.raises(StateError, match="limit"):
+        state.set("c", b"")
+    state.set("a", b"2")  # overwriting does not count as a new key
+    assert state.get("a") == b"2"
+
+
+def test_failure_is_first_report_wins_and_blocks_later_work():
+    state = joined(3)
+    first = state.fail(2, "boom", reported_by=2, now=5.0)
+    assert first is not None and state.fail(2, "again", reported_by=0, now=6.0) is None
+    with pytest.raises(StateError) as info:
+        state.check_not_failed("barrier 'x'")
+    assert info.value.code == ABORTED and info.value.failed_rank == 2 and "boom" in info.value.message
+
+
+def test_leave_is_not_failure_and_all_left():
+    state = joined(2)
+    state.leave(0, now=1.0)
+    assert not state.all_left()
+    state.leave(1, now=1.0)
+    assert state.all_left()
+    assert state.fail(1, "connection lost after leave", reported_by=-1, now=2.0) is None
+    assert not state.failed
+
+
+def test_expired_uses_last_seen_and_ignores_ranks_in_a_call():
+    state = joined(3, now=0.0)
+    state.touch(0, now=8.0)
+    state.members[1].active_calls = 1
+    assert state.expired(now=10.0, timeout_s=5.0) == [2]
