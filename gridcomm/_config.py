@@ -231,3 +231,24 @@ def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = 
         except TypeError:
             raise ConfigError(f"{name}={value!r} must be an integer.") from None
     return _parse_int(name, str(value), minimum=minimum, maximum=maximum)
+
+
+def process_environ() -> Mapping[str, str]:
+    """The process environment, for code that takes an ``environ`` mapping (cluster detection), so
+    that this module stays the only one that touches ``os.environ``. Read it; do not change it."""
+    return os.environ
+
+
+def parse_int(name: str, value: str, *, minimum: int, maximum: int | None = None) -> int:
+    """Parses the integer setting ``name`` from text, with a ConfigError that names it when it is
+    not a whole number in ``minimum..maximum``."""
+    return _parse_int(name, value, minimum=minimum, maximum=maximum)
+
+
+def health_port(explicit: int | None = None, environ: Mapping[str, str] | None = None) -> int | None:
+    """The plaintext grpc.health.v1 port of this rank: argument, GRIDCOMM_HEALTH_PORT, else None
+    (no separate health port). Kubernetes probes it (deploy/k8s uses 13334)."""
+    if explicit is not None:
+        return _check_int("health_port", explicit, minimum=0, maximum=65535)
+    found = _first(_env(environ), ("GRIDCOMM_HEALTH_PORT",))
+    return None if found is None else _parse_int(found[0], found[1], minimum=1, maximum=65535)

@@ -1,0 +1,402 @@
+"""Offline checks of deploy/: every manifest against yamllint, the Kubernetes API schemas and the
+JobSet CRD, and the cross-field facts schemas cannot see (names that must agree, ports, env names
+the library reads, exit codes the failure policy relies on).
+
+Each check runs on the committed manifests and on the generator's output for other values, so a
+template that only works for the defaults fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from yamllint import linter
+from yamllint.config import YamlLintConfig
+
+from gridcomm import _cluster, _config
+from tests.conftest import ROOT
+
+DEPLOY = os.path.join(ROOT, "deploy")
+K8S = os.path.join(DEPLOY, "k8s")
+CRD = os.path.join(ROOT, "..", "shared", "k8s", "jobset-crd.yaml")
+K8S_VERSIONS = ["1.31", kubernetes_validate.latest_version()]
+NAMESPACE_DOMAIN = "team-a.svc.cluster.local"
+
+
+def _load_module(name: str, path: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+generate = _load_module("gridcomm_deploy_generate", os.path.join(K8S, "generate.py"))
+train = _load_module("gridcomm_deploy_train", os.path.join(DEPLOY, "docker", "train.py"))
+
+CUSTOM_ARGS = ["--name", "llm-train", "--service", "llm-net", "--world-size", "16", "--image",
+               "registry.example.com/team/llm@sha256:" + "a" * 64, "--backend", "host", "--replicated-job", "gpu-workers"]
+
+
+def _committed() -> dict[str, str]:
+    return {name: open(os.path.join(K8S, name), encoding="utf-8").read()
+            for name in sorted(os.listdir(K8S)) if name.endswith(".yaml")}
+
+
+def _rendered(argv: list[str]) -> dict[str, str]:
+    args = generate.parser().parse_args(argv)
+    args.service = args.service or args.name
+    return generate.render(args)
+
+
+SETS = {"committed": _committed(), "custom": _rendered(CUSTOM_ARGS)}
+
+
+class Manifests:
+    """One set of files, parsed: the Service, the Job, the Secret and the JobSet."""
+
+    def __init__(self, files: dict[str, str]) -> None:
+        self.files = files
+        self.docs = [doc for text in files.values() for doc in yaml.safe_load_all(text) if doc is not None]
+        by_kind: dict[str, list[dict]] = {}
+        for doc in self.docs:
+            by_kind.setdefault(doc["kind"], []).append(doc)
+        assert {k: len(v) for k, v in by_kind.items()} == {"Service": 1, "Job": 1, "Secret": 1, "JobSet": 1}
+        self.service, self.job, self.secret, self.jobset = (by_kind[k][0] for k in ("Service", "Job", "Secret", "JobSet"))
+        (self.rjob,) = self.jobset["spec"]["replicatedJobs"]
+
+    def pod_specs(self) -> Iterator[tuple[str, dict]]:
+        yield "Job", self.job["spec"]["template"]["spec"]
+        yield "JobSet", self.rjob["template"]["spec"]["template"]["spec"]
+
+
+@pytest.fixture(params=sorted(SETS))
+def m(request: pytest.FixtureRequest) -> Manifests:
+    return Manifests(SETS[request.param])
+
+
+def _worker(pod_spec: dict) -> dict:
+    (container,) = pod_spec["containers"]
+    return container
+
+
+def _literal_env(container: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
+
+
+# --- the generator --------------------------------------------------------------------------------
+
+def test_committed_manifests_are_the_generators_output_with_defaults():
+    assert SETS["committed"] == _rendered([]), "run: python deploy/k8s/generate.py --out deploy/k8s"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--name", "Train"], "DNS label"),
+    (["--service", "1svc"], "DNS label"),
+    (["--name", "a" * 60, "--world-size", "100"], "longer than 63"),
+    (["--world-size", "0"], "at least 1"),
+    (["--image", "bad image"], "image reference"),
+    (["--backend", "mpi"], "one of auto, nccl, host"),
+])
+def test_generator_refuses_values_kubernetes_would_reject(argv: list[str], message: str):
+    with pytest.raises(SystemExit, match=message):
+        _rendered(argv)
+
+
+def test_generator_backends_are_the_librarys():
+    assert tuple(generate.BACKENDS) == _config.BACKENDS
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("extra, kinds", [([], ["Service", "Job"]), (["--jobset"], ["JobSet"])])
+def test_generator_command_line_prints_what_kubectl_applies(extra: list[str], kinds: list[str]):
+    out = subprocess.run([sys.executable, os.path.join(K8S, "generate.py"), "--name", "demo", "--world-size", "3", *extra],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    docs = list(yaml.safe_load_all(out.stdout))
+    assert [d["kind"] for d in docs] == kinds
+    assert all(d["metadata"]["name"] == "demo" for d in docs)
+
+
+# --- schemas ----------------------------------------------------------------------------------------
+
+def test_yamllint_clean():
+    config = YamlLintConfig(file=os.path.join(DEPLOY, ".yamllint.yaml"))
+    texts = {f"custom/{k}": v for k, v in SETS["custom"].items()}
+    for folder, _dirs, names in os.walk(DEPLOY):
+        for name in names:
+            if name.endswith((".yaml", ".yml")):
+                path = os.path.join(folder, name)
+                texts[os.path.relpath(path, ROOT)] = open(path, encoding="utf-8").read()
+    problems = [f"{name}:{p.line}:{p.column} {p.level} {p.desc} ({p.rule})"
+                for name, text in texts.items() for p in linter.run(text, config)]
+    assert not problems, "\n".join(problems)
+
+
+def test_yamllint_can_fail():
+    config = YamlLintConfig(file=os.path.join(DEPLOY, ".yamllint.yaml"))
+    assert list(linter.run("---\nkey: value\nkey: again\n", config))
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_builtin_kinds_validate_strictly(m: Manifests, version: str):
+    for doc in (m.service, m.job, m.secret):
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_jobsets_job_template_is_a_valid_job(m: Manifests, version: str):
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "child"}, "spec": m.rjob["template"]["spec"]}
+    kubernetes_validate.validate(job, version, strict=True)
+
+
+@pytest.mark.parametrize("path, value", [
+    (("spec", "template", "spec", "containers", 0, "readinesProbe"), {}),
+    (("spec", "completions"), "two"),
+    (("spec", "podFailurePolicy", "rules", 0, "onExitCodes", "values"), "2"),
+])
+def test_strict_validation_catches_typos_and_types(m: Manifests, path: tuple, value: object):
+    job = copy.deepcopy(m.job)
+    node: Any = job
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(job, K8S_VERSIONS[0], strict=True)
+
+
+def _closed(schema: Any) -> Any:
+    """The schema with unknown fields rejected wherever it lists properties (what the API server's
+    pruning would silently drop)."""
+    if isinstance(schema, dict):
+        out = {k: _closed(v) for k, v in schema.items()}
+        if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_closed(v) for v in schema]
+    return schema
+
+
+@pytest.fixture(scope="module")
+def jobset_validator() -> jsonschema.protocols.Validator:
+    if not os.path.exists(CRD):
+        pytest.skip(f"the JobSet CRD is not at {os.path.normpath(CRD)} (it lives in the shared folder beside the repo)")
+    with open(CRD, encoding="utf-8") as handle:
+        crd = yaml.safe_load(handle)
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
+    return jsonschema.Draft4Validator(_closed(version["schema"]["openAPIV3Schema"]))
+
+
+def test_jobset_matches_the_crd_schema(m: Manifests, jobset_validator: jsonschema.protocols.Validator):
+    assert m.jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in jobset_validator.iter_errors(m.jobset)]
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda js: js["spec"]["network"].update(enableDnsHostnames=True),
+    lambda js: _worker(js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]).update(imagePullPolicy=3),
+    lambda js: js["spec"]["failurePolicy"].update(restartStrategy="Sometimes"),
+    lambda js: js["spec"].update(replicatedJob=[]),
+])
+def test_jobset_schema_rejects_unknown_fields_and_bad_values(m: Manifests, jobset_validator, mutate):
+    jobset = copy.deepcopy(m.jobset)
+    mutate(jobset)
+    assert list(jobset_validator.iter_errors(jobset))
+
+
+# --- what the schemas cannot see ---------------------------------------------------------------------
+
+def test_headless_service_selects_the_jobs_pods_and_is_their_subdomain(m: Manifests):
+    spec = m.service["spec"]
+    assert spec["clusterIP"] == "None" and spec["publishNotReadyAddresses"] is True
+    pod = m.job["spec"]["template"]
+    assert pod["spec"]["subdomain"] == m.service["metadata"]["name"]
+    assert spec["selector"].items() <= pod["metadata"]["labels"].items()
+    names = {p["name"] for p in _worker(pod["spec"])["ports"]}
+    assert {p["targetPort"] for p in spec["ports"]} <= names
+
+
+def test_jobset_makes_its_own_headless_service(m: Manifests):
+    network = m.jobset["spec"]["network"]
+    assert network["enableDNSHostnames"] is True and network.get("publishNotReadyAddresses", True) is True
+    # The JobSet controller sets hostname and subdomain itself; one set by hand would disagree.
+    assert "subdomain" not in m.rjob["template"]["spec"]["template"]["spec"]
+
+
+def test_pod_count_equals_world_size(m: Manifests):
+    spec = m.job["spec"]
+    size = int(_literal_env(_worker(spec["template"]["spec"]))["GRIDCOMM_WORLD_SIZE"])
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == size
+    child = m.rjob["template"]["spec"]
+    size = int(_literal_env(_worker(child["template"]["spec"]))["GRIDCOMM_WORLD_SIZE"])
+    assert child["completionMode"] == "Indexed" and child["completions"] == child["parallelism"]
+    assert m.rjob["replicas"] * child["parallelism"] == size
+
+
+def test_coordinator_address_is_rank_zeros_dns_name(m: Manifests):
+    job_env = _literal_env(_worker(m.job["spec"]["template"]["spec"]))
+    assert job_env["GRIDCOMM_HOST"] == f"{m.job['metadata']['name']}-0.{m.service['metadata']['name']}"
+    js = m.jobset["metadata"]["name"]
+    subdomain = m.jobset["spec"]["network"].get("subdomain", js)
+    js_env = _literal_env(_worker(m.rjob["template"]["spec"]["template"]["spec"]))
+    assert js_env["GRIDCOMM_HOST"] == f"{js}-{m.rjob['name']}-0-0.{subdomain}"
+
+
+def test_probes_use_container_ports_and_distinct_services(m: Manifests):
+    for where, pod_spec in m.pod_specs():
+        container = _worker(pod_spec)
+        ports = {p["containerPort"] for p in container["ports"]} | {p["name"] for p in container["ports"]}
+        env = _literal_env(container)
+        health = _config.health_port(environ=env)
+        _, coordinator = _config.coordinator_address(environ=env)
+        assert {health, coordinator} <= ports, where
+        probes = {kind: container[kind]["grpc"] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
+        assert all(p["port"] == health for p in probes.values()), (where, probes)
+        assert probes["livenessProbe"]["service"] == "" and probes["readinessProbe"]["service"] == "gridcomm.v1.Coordinator"
+
+
+def test_every_env_name_is_one_gridcomm_reads(m: Manifests):
+    read = set(_cluster.ENV_NAMES) | _string_constants(os.path.join(ROOT, "gridcomm", "_config.py"))
+    for where, pod_spec in m.pod_specs():
+        names = {e["name"] for e in _worker(pod_spec)["env"]}
+        assert names <= read, (where, sorted(names - read))
+
+
+def _string_constants(path: str) -> set[str]:
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def _kubelet_env(container: dict, secret: dict, index: int, labels: dict[str, str],
+                 annotations: dict[str, str]) -> dict[str, str]:
+    """The environment the kubelet would give this container in the pod of completion index
+    ``index``: literal values, downward-API fields, Secret keys and JOB_COMPLETION_INDEX."""
+    env = {"JOB_COMPLETION_INDEX": str(index)}
+    for item in container["env"]:
+        if "value" in item:
+            env[item["name"]] = item["value"]
+            continue
+        source = item["valueFrom"]
+        if "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            assert ref["name"] == secret["metadata"]["name"], "the env reads a Secret the example does not create"
+            env[item["name"]] = secret["stringData"][ref["key"]]
+            continue
+        path = source["fieldRef"]["fieldPath"]
+        found = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
+        assert found, f"unexpected fieldPath {path}"
+        table = labels if found.group(1) == "labels" else annotations
+        assert found.group(2) in table, f"{path} is not set on the pod by Kubernetes or JobSet"
+        env[item["name"]] = table[found.group(2)]
+    return env
+
+
+def test_every_pod_of_the_job_detects_its_rank_and_rank_zero(m: Manifests):
+    job, service = m.job["metadata"]["name"], m.service["metadata"]["name"]
+    container = _worker(m.job["spec"]["template"]["spec"])
+    size = m.job["spec"]["completions"]
+    for index in range(size):
+        labels = {"batch.kubernetes.io/controller-uid": "0c6f-uid", "batch.kubernetes.io/job-name": job,
+                  "batch.kubernetes.io/job-completion-index": str(index)}
+        env = _kubelet_env(container, m.secret, index, labels, {"batch.kubernetes.io/job-completion-index": str(index)})
+        hostname = f"{job}-{index}"
+        fqdn = f"{hostname}.{service}.{NAMESPACE_DOMAIN}"
+        info = _cluster.detect(env, hostname=hostname, fqdn=fqdn)
+        assert (info.rank, info.world_size, info.source) == (index, size, "kubernetes")
+        assert (info.host, info.port) == (env["GRIDCOMM_HOST"], _config.DEFAULT_PORT)
+        # Without GRIDCOMM_HOST the detector derives the same pod's fully qualified name.
+        derived = _cluster.detect({k: v for k, v in env.items() if k != "GRIDCOMM_HOST"}, hostname=hostname, fqdn=fqdn)
+        assert derived.host == f"{env['GRIDCOMM_HOST']}.{NAMESPACE_DOMAIN}"
+        _check_settings(env, container)
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_every_pod_of_the_jobset_detects_its_rank_and_rank_zero(m: Manifests, replicas: int):
+    js, rjob = m.jobset["metadata"]["name"], m.rjob["name"]
+    subdomain = m.jobset["spec"]["network"].get("subdomain", js)
+    child = m.rjob["template"]["spec"]
+    container = copy.deepcopy(_worker(child["template"]["spec"]))
+    per_job = child["parallelism"]
+    # Raising `replicas` is documented as all it takes, besides the world size.
+    for item in container["env"]:
+        if item["name"] == "GRIDCOMM_WORLD_SIZE":
+            item["value"] = str(replicas * per_job)
+    ranks = []
+    for job_index in range(replicas):
+        for index in range(per_job):
+            labels = {"jobset.sigs.k8s.io/jobset-name": js, "jobset.sigs.k8s.io/jobset-uid": "7d1e-uid",
+                      "jobset.sigs.k8s.io/replicatedjob-name": rjob, "jobset.sigs.k8s.io/job-index": str(job_index)}
+            annotations = {**labels, "jobset.sigs.k8s.io/replicatedjob-replicas": str(replicas)}
+            env = _kubelet_env(container, m.secret, index, labels, annotations)
+            hostname = f"{js}-{rjob}-{job_index}-{index}"
+            info = _cluster.detect(env, hostname=hostname, fqdn=f"{hostname}.{subdomain}.{NAMESPACE_DOMAIN}")
+            assert (info.world_size, info.source, info.host) == (replicas * per_job, "jobset", env["GRIDCOMM_HOST"])
+            ranks.append(info.rank)
+            _check_settings(env, container)
+    assert sorted(ranks) == list(range(replicas * per_job))
+
+
+def _check_settings(env: dict[str, str], container: dict) -> None:
+    """Every other setting the manifest gives parses the way the library reads it."""
+    assert _config.token(environ=env) == env["GRIDCOMM_TOKEN"]
+    assert _config.job_id(environ=env) == env["GRIDCOMM_JOB_ID"]
+    assert _config.backend(environ=env) == env["GRIDCOMM_BACKEND"]
+    assert _config.timeout_s(environ=env) >= _config.DEFAULT_TIMEOUT_S
+    assert _config.health_port(environ=env) == container["livenessProbe"]["grpc"]["port"]
+
+
+def test_failure_policies_match_the_exit_codes_of_the_command(m: Manifests):
+    assert (generate.EXIT_CONFIG_ERROR, generate.EXIT_PEER_FAILED) == (train.EXIT_CONFIG_ERROR, train.EXIT_PEER_FAILED)
+    job_rules = m.job["spec"]["podFailurePolicy"]["rules"]
+    fail = [r for r in job_rules if r["action"] == "FailJob"]
+    assert fail and fail[0]["onExitCodes"]["values"] == [train.EXIT_CONFIG_ERROR, train.EXIT_PEER_FAILED]
+    assert {"type": "DisruptionTarget", "status": "True"} in [c for r in job_rules if r["action"] == "Ignore"
+                                                             for c in r["onPodConditions"]]
+    js_rules = m.rjob["template"]["spec"]["podFailurePolicy"]["rules"]
+    assert js_rules[0]["onExitCodes"]["values"] == [train.EXIT_CONFIG_ERROR]
+    assert m.rjob["template"]["spec"]["backoffLimit"] == 0, "any other failure must restart the whole JobSet"
+    for where, pod_spec in m.pod_specs():
+        # podFailurePolicy is only allowed with restartPolicy Never, and must name the real container.
+        assert pod_spec["restartPolicy"] == "Never", where
+        rules = m.job["spec"]["podFailurePolicy"]["rules"] if where == "Job" else js_rules
+        assert {r["onExitCodes"]["containerName"] for r in rules if "onExitCodes" in r} == {_worker(pod_spec)["name"]}
+
+
+def test_one_gpu_per_pod(m: Manifests):
+    for where, pod_spec in m.pod_specs():
+        resources = _worker(pod_spec)["resources"]
+        assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 1, where
+        assert {"cpu", "memory"} <= set(resources["requests"]), where
+
+
+def test_container_command_is_what_the_image_holds(m: Manifests):
+    dockerfile = open(os.path.join(DEPLOY, "docker", "Dockerfile"), encoding="utf-8").read()
+    assert re.search(r"^FROM nvidia/cuda:12[\w.]*-runtime-", dockerfile, re.M)
+    assert "[cuda12]" in dockerfile
+    assert re.search(r"^COPY deploy/docker/train\.py /app/train\.py$", dockerfile, re.M)
+    user = re.search(r"^USER (\d+)", dockerfile, re.M)
+    exposed = {int(p) for p in re.search(r"^EXPOSE (.+)$", dockerfile, re.M).group(1).split()}  # type: ignore[union-attr]
+    for where, pod_spec in m.pod_specs():
+        container = _worker(pod_spec)
+        assert container["command"] == ["python", "/app/train.py"], where
+        assert user and pod_spec["securityContext"]["runAsUser"] == int(user.group(1)), where
+        assert {p["containerPort"] for p in container["ports"]} == exposed, where
+
+
+def test_secret_example_holds_a_placeholder_not_a_token(m: Manifests):
+    assert m.secret["type"] == "Opaque"
+    assert m.secret["stringData"]["token"].startswith("replace-with")
