@@ -5,7 +5,9 @@ The public API is what this module exports; everything in ``gridcomm._*`` is pri
 
 from __future__ import annotations
 
+from gridcomm._api import init_process_group
 from gridcomm._client import CoordinatorClient
+from gridcomm._comm import Communicator
 from gridcomm._errors import (
     ArgumentError,
     AuthenticationError,
@@ -24,6 +26,7 @@ __all__ = [
     "ArgumentError",
     "AuthenticationError",
     "CommAborted",
+    "Communicator",
     "ConfigError",
     "Coordinator",
     "CoordinatorClient",
@@ -32,4 +35,5 @@ __all__ = [
     "RankFailedError",
     "RendezvousTimeout",
     "__version__",
+    "init_process_group",
 ]

@@ -14,7 +14,7 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -31,7 +31,7 @@ from gridcomm._errors import (
 )
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
-from gridcomm._server import FAILED_KEY, MAX_MESSAGE_BYTES, MISSING_KEY, SERVICE_NAME
+from gridcomm._server import CHUNK_BYTES, FAILED_KEY, MAX_MESSAGE_BYTES, MISSING_KEY, SERVICE_NAME
 
 log = logging.getLogger(__name__)
 
@@ -275,22 +275,66 @@ class CoordinatorClient:
         return self._long_poll(f"rank {self.rank}: get {key!r}", timeout_s, attempt,
                                lambda missing: f"still waiting for key {key!r}").value
 
-    def barrier(self, name: str = "barrier", timeout_s: float | None = None) -> None:
-        """Waits until every rank reaches the barrier ``name``; on timeout raises
-        :class:`RendezvousTimeout` naming the missing ranks. Reusing a name is fine."""
+    def barrier(self, name: str = "barrier", timeout_s: float | None = None, *,
+                participants: Sequence[int] = ()) -> None:
+        """Waits until every rank (or every one of ``participants``) reaches the barrier ``name``;
+        on timeout raises :class:`RendezvousTimeout` naming the missing ranks. Reusing a name is fine."""
         if not isinstance(name, str) or not name:
             raise ConfigError(f"barrier name must be a non-empty str, not {name!r}.")
         seq = self._barrier_seq.get(name, 0) + 1
         what = f"rank {self.rank}: barrier {name!r}"
 
         def attempt(wait_s: float, call_s: float) -> pb.BarrierResponse:
-            request = pb.BarrierRequest(caller=self.caller, name=name, seq=seq, wait_s=wait_s)
+            request = pb.BarrierRequest(caller=self.caller, name=name, seq=seq, wait_s=wait_s, participants=participants)
             return self._call(self._stub.Barrier, request, what, call_s)
 
         # Why: the seq advances even if this wait fails, since the coordinator recorded the arrival.
         self._barrier_seq[name] = seq
         self._long_poll(what, timeout_s, attempt,
                         lambda missing: f"barrier {name!r}: waiting for {len(missing)} of {self.world_size} ranks: {missing[:16]}")
+
+    def put(self, key: str, data: bytes | memoryview, readers: int = 1, timeout_s: float | None = None) -> None:
+        """Sends one message (any size; streamed in chunks) for ``readers`` takers (host backend)."""
+        view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+        total = len(view)
+
+        def chunks() -> Iterator[pb.Chunk]:
+            yield pb.Chunk(caller=self.caller, key=key, total_bytes=total, readers=readers,
+                           data=bytes(view[:CHUNK_BYTES]))
+            for offset in range(CHUNK_BYTES, total, CHUNK_BYTES):
+                yield pb.Chunk(data=bytes(view[offset : offset + CHUNK_BYTES]))
+
+        call_s = self.timeout_s if timeout_s is None else timeout_s
+        self._call(self._stub.Put, chunks(), f"rank {self.rank}: send {key!r}", call_s)
+
+    def take(self, key: str, out: memoryview | None = None, timeout_s: float | None = None) -> bytes | int:
+        """Receives one message. With ``out`` (a writable byte view of the right size) the data is
+        written there and the byte count returned; otherwise the bytes are returned."""
+        total = self.timeout_s if timeout_s is None else timeout_s
+        what = f"rank {self.rank}: receive {key!r}"
+        request = pb.TakeRequest(caller=self.caller, key=key, wait_s=total)
+        if self._channel is None:
+            raise CommAborted(f"{what}: this client was closed.")
+        parts: list[bytes] = []
+        received = 0
+        try:
+            for chunk in self._stub.Take(request, timeout=total + _CALL_SLACK_S, metadata=self._metadata):
+                size = len(chunk.data)
+                if out is not None:
+                    if received + size > len(out):
+                        raise ConfigError(f"{what}: the message is larger than the {len(out)}-byte receive buffer.")
+                    out[received : received + size] = chunk.data
+                else:
+                    parts.append(chunk.data)
+                received += size
+        except grpc.RpcError as exc:
+            raise translate(exc, what, self.target) from exc
+        if out is not None:
+            if received != len(out):
+                raise ConfigError(f"{what}: received {received} bytes into a {len(out)}-byte buffer; the sender's "
+                                  "array has a different size.")
+            return received
+        return b"".join(parts)
 
     def heartbeat(self) -> list[pb.Failure]:
         """Tells the coordinator this rank is alive; returns the failures it knows of."""

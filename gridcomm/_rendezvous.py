@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 #: Error codes, spelled as gRPC status names so the server maps them one to one.
 INVALID_ARGUMENT = "INVALID_ARGUMENT"
@@ -61,6 +61,8 @@ class Failure:
 class _Barrier:
     #: Highest seq each rank has arrived at (index = rank).
     arrived: list[int]
+    #: The ranks that take part (every rank, or a sub-communicator's members).
+    members: tuple[int, ...]
     #: Highest seq every rank has reached (the barrier instances that are complete).
     completed: int = 0
     #: How many ranks have arrived at instance completed + 1.
@@ -77,6 +79,8 @@ class Limits:
     max_total_value_bytes: int = 1024 * 1024 * 1024
     max_barrier_names: int = 1_000_000
     max_name_bytes: int = 1024
+    #: Bytes of host-backend messages held (and being received) at once; a Put waits for room.
+    max_mailbox_bytes: int = 1024 * 1024 * 1024
     max_hostname_bytes: int = 256
     #: A pre-rendezvous member with no call in flight for this long may be replaced by a new
     #: incarnation (its process died while joining); a live one re-polls well within it.
@@ -100,6 +104,7 @@ class JobState:
         self.kv: dict[str, bytes] = {}
         self._kv_bytes = 0
         self.barriers: dict[str, _Barrier] = {}
+        self.mailbox = Mailbox(self.limits.max_mailbox_bytes)
 
     # ----------------------------------------------------------------- join and identity
     @property
@@ -226,10 +231,11 @@ class JobState:
         return self.kv.get(key)
 
     # ----------------------------------------------------------------- barriers
-    def arrive(self, name: str, rank: int, seq: int, now: float) -> int:
+    def arrive(self, name: str, rank: int, seq: int, now: float, participants: Sequence[int] = ()) -> int:
         """Records rank's arrival at instance ``seq`` of barrier ``name``.
 
-        Returns the highest instance that is complete after this arrival (>= seq means done).
+        ``participants`` are the ranks that take part (empty: every rank). Returns the highest
+        instance that is complete after this arrival (>= seq means done).
         """
         size = len(name.encode())
         if size == 0 or size > self.limits.max_name_bytes:
@@ -238,9 +244,18 @@ class JobState:
             raise StateError(INVALID_ARGUMENT, f"barrier {name!r} seq {seq} must be >= 1.")
         barrier = self.barriers.get(name)
         if barrier is None:
+            members = self._participants(name, rank, participants)
             if len(self.barriers) >= self.limits.max_barrier_names:
                 raise StateError(RESOURCE_EXHAUSTED, f"{len(self.barriers)} barrier names are in use, the limit.")
-            barrier = self.barriers[name] = _Barrier(arrived=[0] * self.world_size)
+            barrier = self.barriers[name] = _Barrier(arrived=[0] * self.world_size, members=members)
+        elif participants and tuple(participants) != barrier.members:
+            raise StateError(
+                INVALID_ARGUMENT,
+                f"rank {rank} arrived at barrier {name!r} with participants {list(participants)[:16]}, but it was "
+                f"opened for {list(barrier.members)[:16]}; every member must name the same group.",
+            )
+        if rank not in (barrier.members if len(barrier.members) != self.world_size else range(self.world_size)):
+            raise StateError(INVALID_ARGUMENT, f"rank {rank} is not a participant of barrier {name!r}.")
         mine = barrier.arrived[rank]
         if seq > mine + 1:
             # Why: a rank cannot skip an instance; seq counts its own arrivals at this name.
@@ -256,17 +271,29 @@ class JobState:
             if seq == barrier.completed + 1:
                 barrier.count_next += 1
                 # Why: counting arrivals keeps an arrival O(1); the recount runs once per instance.
-                while barrier.count_next == self.world_size:
+                while barrier.count_next == len(barrier.members):
                     barrier.completed += 1
-                    barrier.count_next = sum(1 for s in barrier.arrived if s > barrier.completed)
+                    barrier.count_next = sum(1 for r in barrier.members if barrier.arrived[r] > barrier.completed)
                     barrier.waiting_since = now if barrier.count_next else None
         return barrier.completed
+
+    def _participants(self, name: str, rank: int, participants: Sequence[int]) -> tuple[int, ...]:
+        if not participants:
+            return tuple(range(self.world_size))
+        members = tuple(participants)
+        if list(members) != sorted(set(members)) or members[0] < 0 or members[-1] >= self.world_size:
+            raise StateError(
+                INVALID_ARGUMENT,
+                f"barrier {name!r}: participants must be distinct ranks in 0..{self.world_size - 1}, sorted; "
+                f"got {list(members)[:16]}.",
+            )
+        return members
 
     def barrier_missing(self, name: str, seq: int) -> list[int]:
         barrier = self.barriers.get(name)
         if barrier is None:
             return list(range(self.world_size))
-        return [r for r, s in enumerate(barrier.arrived) if s < seq]
+        return [r for r in barrier.members if barrier.arrived[r] < seq]
 
     def barrier_blocker(self, name: str, seq: int) -> Member | None:
         """A member that left cleanly before arriving at ``name``#``seq``: the barrier can never complete."""
@@ -281,8 +308,8 @@ class JobState:
             top = max(barrier.arrived)
             if top > barrier.completed:
                 seq = barrier.completed + 1
-                arrived = [r for r, s in enumerate(barrier.arrived) if s >= seq]
-                missing = [r for r, s in enumerate(barrier.arrived) if s < seq]
+                arrived = [r for r in barrier.members if barrier.arrived[r] >= seq]
+                missing = [r for r in barrier.members if barrier.arrived[r] < seq]
                 since = barrier.waiting_since if barrier.waiting_since is not None else now
                 yield name, seq, arrived, missing, max(0.0, now - since)
 
@@ -339,3 +366,55 @@ class JobState:
             for m in self.members.values()
             if m.state is MemberState.JOINED and m.active_calls == 0 and now - m.last_seen > timeout_s
         ]
+
+
+class Mailbox:
+    """Host-backend messages held by the coordinator, with a bound on the bytes held.
+
+    A sender reserves room for a whole message before its chunks arrive (so a stream never
+    overruns the bound), publishes it when complete, and each of its ``readers`` takes it once.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.used = 0
+        self.messages: dict[str, tuple[bytes, int]] = {}
+
+    def check(self, key: str, total: int, readers: int) -> None:
+        if not key or len(key) > 1024:
+            raise StateError(INVALID_ARGUMENT, f"message key {key[:64]!r} must be 1 to 1024 characters.")
+        if readers < 1:
+            raise StateError(INVALID_ARGUMENT, f"message {key!r} must have at least one reader, not {readers}.")
+        if total > self.max_bytes:
+            raise StateError(
+                RESOURCE_EXHAUSTED,
+                f"message {key!r} is {total} bytes; the coordinator holds at most {self.max_bytes} bytes of messages; "
+                "send it in smaller pieces.",
+            )
+        if key in self.messages:
+            raise StateError(ALREADY_EXISTS, f"message {key!r} was already sent and not yet taken.")
+
+    def has_room(self, total: int) -> bool:
+        return self.used + total <= self.max_bytes
+
+    def reserve(self, total: int) -> None:
+        self.used += total
+
+    def release(self, total: int) -> None:
+        self.used -= total
+
+    def publish(self, key: str, data: bytes, readers: int) -> None:
+        self.messages[key] = (data, readers)
+
+    def take(self, key: str) -> bytes | None:
+        """Returns the message for one reader; the last reader frees its room."""
+        entry = self.messages.get(key)
+        if entry is None:
+            return None
+        data, readers = entry
+        if readers <= 1:
+            del self.messages[key]
+            self.used -= len(data)
+        else:
+            self.messages[key] = (data, readers - 1)
+        return data

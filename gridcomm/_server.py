@@ -34,6 +34,8 @@ FAILED_KEY = "gridcomm-failed-rank"
 _ANSWER_MARGIN_S = 0.25
 #: Largest message accepted or sent: a full 64 MiB value plus framing.
 MAX_MESSAGE_BYTES = 80 * 1024 * 1024
+#: Host-backend messages travel in pieces of this size.
+CHUNK_BYTES = 4 * 1024 * 1024
 
 _T = TypeVar("_T")
 
@@ -82,6 +84,19 @@ class _Abort(Exception):
         self.metadata = metadata
 
 
+async def _refuse(context: grpc.aio.ServicerContext, name: str, exc: Exception) -> None:
+    """Answers a refused or failed call with a status and a readable message; always raises."""
+    if isinstance(exc, _Abort):
+        await context.abort(exc.code, exc.message, trailing_metadata=exc.metadata)
+    if isinstance(exc, StateError):
+        metadata = ((FAILED_KEY, str(exc.failed_rank)),) if exc.failed_rank is not None else ()
+        await context.abort(_status_code(exc.code), exc.message, trailing_metadata=metadata)
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    log.exception("coordinator: %s failed on an unexpected error", name, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"{name} failed inside the coordinator: {exc!r}")
+
+
 def _handler(method: Callable[..., Awaitable[_T]]) -> Callable[..., Awaitable[_T]]:
     """Wraps a servicer method: checks the token, maps refusals to statuses, never lets an
     exception escape to crash or confuse the server."""
@@ -92,17 +107,9 @@ def _handler(method: Callable[..., Awaitable[_T]]) -> Callable[..., Awaitable[_T
         try:
             self._authenticate(context, name)
             return await method(self, request, context)
-        except _Abort as exc:
-            await context.abort(exc.code, exc.message, trailing_metadata=exc.metadata)
-        except StateError as exc:
-            metadata = ((FAILED_KEY, str(exc.failed_rank)),) if exc.failed_rank is not None else ()
-            await context.abort(_status_code(exc.code), exc.message, trailing_metadata=metadata)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
         except Exception as exc:  # noqa: BLE001 - the coordinator must survive any request
-            log.exception("coordinator: %s failed on an unexpected error", name)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{name} failed inside the coordinator: {exc!r}")
-        raise AssertionError("unreachable")  # context.abort always raises
+            await _refuse(context, name, exc)
+        raise AssertionError("unreachable")  # _refuse always raises
 
     wrapped.__name__ = name
     wrapped.__doc__ = method.__doc__
@@ -276,7 +283,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         state.check_not_failed(f"barrier {request.name!r}")
         name, seq = request.name, request.seq
         before = state.barriers[name].completed if name in state.barriers else 0
-        completed = state.arrive(name, rank, seq, self._now())
+        completed = state.arrive(name, rank, seq, self._now(), request.participants)
         for done_seq in range(before + 1, completed + 1):
             self._wake(("barrier", name, done_seq))
         if completed >= seq:
@@ -338,6 +345,81 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         if state.all_left():
             self._owner._all_left.set()
         return pb.LeaveResponse()
+
+    async def Put(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        """Receives one message in chunks; waits (bounded) for room in the mailbox first."""
+        reserved = 0
+        mailbox = self._state.mailbox
+        try:
+            self._authenticate(context, "Put")
+            first = await context.read()
+            if first is grpc.aio.EOF:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "Put carried no chunk.")
+            self._caller(first.caller, "put")
+            key, total, readers = first.key, first.total_bytes, first.readers
+            mailbox.check(key, total, readers)
+            ok = await self._wait(("mailbox-room",), lambda: mailbox.has_room(total), self._owner.timeout_s, context,
+                                  f"put of {key!r}")
+            if not ok:
+                raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"no room for message {key!r} ({total} bytes): the mailbox holds {mailbox.used} of "
+                             f"{mailbox.max_bytes} bytes and nobody took them.")
+            mailbox.reserve(total)
+            reserved = total
+            parts = [first.data]
+            received = len(first.data)
+            while received < total:
+                chunk = await context.read()
+                if chunk is grpc.aio.EOF:
+                    break
+                received += len(chunk.data)
+                if received > total:
+                    break
+                parts.append(chunk.data)
+            if received != total:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"message {key!r} announced {total} bytes but carried {received}.")
+            mailbox.publish(key, b"".join(parts), readers)
+            reserved = 0
+            self._wake(("mailbox", key))
+            return pb.PutResponse()
+        except Exception as exc:  # noqa: BLE001 - the coordinator must survive any request
+            await _refuse(context, "Put", exc)
+        finally:
+            if reserved:
+                mailbox.release(reserved)
+                self._wake(("mailbox-room",))
+        raise AssertionError("unreachable")
+
+    async def Take(self, request: pb.TakeRequest, context: grpc.aio.ServicerContext) -> Any:
+        """Waits for a message and streams it back in chunks."""
+        mailbox = self._state.mailbox
+        try:
+            self._authenticate(context, "Take")
+            member = self._caller(request.caller, "take")
+            key = request.key
+            member.active_calls += 1
+            try:
+                ok = await self._wait(("mailbox", key), lambda: key in mailbox.messages, request.wait_s, context,
+                                      f"take of {key!r}")
+            finally:
+                member.active_calls -= 1
+                member.last_seen = self._now()
+            if not ok:
+                raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"message {key!r} did not arrive within {request.wait_s:.1f} s")
+            data = mailbox.take(key)
+            assert data is not None
+            if key not in mailbox.messages:
+                self._wake(("mailbox-room",))
+        except Exception as exc:  # noqa: BLE001 - the coordinator must survive any request
+            await _refuse(context, "Take", exc)
+            return
+        view = memoryview(data)
+        if not data:
+            yield pb.Chunk(total_bytes=0)
+        for offset in range(0, len(data), CHUNK_BYTES):
+            yield pb.Chunk(total_bytes=len(data), data=bytes(view[offset : offset + CHUNK_BYTES]))
 
     @_handler
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
@@ -415,6 +497,8 @@ class Coordinator:
         self._token = _config.validate_token("token", token) if token is not None else None
         self.job_id = _config.job_id(job_id)
         self.heartbeat_timeout_s = _config.heartbeat_timeout_s(heartbeat_timeout_s)
+        #: Bound on waits the server makes on its own behalf (room in the mailbox).
+        self.timeout_s = _config.timeout_s()
         self.state = JobState(self.world_size, self.job_id, now=time.monotonic(), limits=limits)
         self._port: int | None = None
         self._thread: threading.Thread | None = None

@@ -18,6 +18,7 @@ PKG = os.path.join(ROOT, "gridcomm")
 LAYERS = {
     "_errors": 0,
     "_config": 1,
+    "_cluster": 1,
     "_rendezvous": 2,
     "_proto": 2,
     "_server": 3,

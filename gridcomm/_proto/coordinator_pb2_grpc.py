@@ -125,7 +125,7 @@ class CoordinatorServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Put(self, request_iterator, context):
-        """Host-backend data plane: a mailbox keyed by (channel, sequence number), bounded in memory.
+        """Host-backend data plane: a mailbox of messages keyed by name, bounded in memory.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,83 @@
+"""``init_process_group``: the drop-in for ``cupyx.distributed.init_process_group``."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from gridcomm import _config
+from gridcomm._client import CoordinatorClient
+from gridcomm._comm import Communicator, build_backend
+from gridcomm._errors import ConfigError, GridcommError
+from gridcomm._server import Coordinator
+
+log = logging.getLogger(__name__)
+
+
+def resolve_backend(name: str | None) -> str:
+    """'auto' picks nccl where CuPy sees a GPU and NCCL is available, else host."""
+    choice = _config.backend(name)
+    if choice == "auto":
+        from gridcomm import _nccl
+
+        choice = "nccl" if _nccl.available() else "host"
+    return choice
+
+
+def init_process_group(
+    n_devices: int | None = None,
+    rank: int | None = None,
+    *,
+    backend: str | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    timeout_s: float | None = None,
+    token: str | None = None,
+    use_mpi: bool = False,
+) -> Communicator:
+    """Joins the job and returns this rank's :class:`Communicator`.
+
+    Same first arguments as ``cupyx.distributed.init_process_group(n_devices, rank, *, backend,
+    host, port, use_mpi)``, so a cupyx program switches by changing its import. Anything not
+    passed comes from the environment (``GRIDCOMM_*``, cupyx, torchrun, Indexed Job). ``backend``
+    is ``nccl`` (default; CuPy arrays, current device), ``host`` (NumPy arrays) or ``auto``.
+    Rank 0 hosts the coordinator unless ``GRIDCOMM_COORDINATOR=external``. Two ranks::
+
+        comm = gridcomm.init_process_group(2, rank)      # every rank, each with its GPU
+        comm.all_reduce(x, y, op="sum")
+        comm.stop()
+    """
+    if use_mpi:
+        raise ConfigError("use_mpi=True is not supported: gridcomm's rendezvous replaces MPI; drop the argument.")
+    world_size = _config.world_size(n_devices)
+    my_rank = _config.rank(rank, world_size)
+    kind = resolve_backend(backend)
+    dial_host, dial_port = _config.coordinator_address(host, port)
+    secret = _config.token(token)
+    wait_s = _config.timeout_s(timeout_s)
+    started = time.monotonic()
+    coordinator = None
+    if my_rank == 0 and _config.coordinator_mode() == "embedded":
+        bind = _config.bind_address()
+        coordinator = Coordinator(world_size, bind=bind, port=dial_port, token=secret).start()
+        # Why: rank 0 dials its own server directly, not through a DNS name that may lag.
+        dial_host = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind
+        dial_port = coordinator.port
+    client = None
+    try:
+        client = CoordinatorClient(dial_host, dial_port, my_rank, world_size, token=secret, timeout_s=wait_s)
+        client.join()
+        impl = build_backend(kind, client, "world", my_rank, world_size)
+    except BaseException as exc:
+        if client is not None:
+            if isinstance(exc, GridcommError) and client.generation:
+                try:
+                    client.report_failure(f"init_process_group failed: {exc}")
+                except GridcommError:
+                    pass
+            client.close()
+        if coordinator is not None:
+            coordinator.stop(grace_s=min(5.0, wait_s))
+        raise
+    log.info("rank %d of %d: %s communicator ready in %.3f s", my_rank, world_size, kind, time.monotonic() - started)
+    return Communicator(impl, client, coordinator=coordinator, grace_s=min(60.0, wait_s))

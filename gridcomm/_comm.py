@@ -1,0 +1,223 @@
+"""The communicator: one backend (NCCL or host) plus the control-plane client that built it.
+
+This is where gRPC (through the client) and CuPy (through the NCCL backend) meet; neither
+backend module imports the other side. Collective methods are bound straight to the backend
+at construction, so a call costs no extra Python frame; after ``stop()``, ``abort()`` or a
+reported failure they are rebound to raise, so no per-call flag check is needed either.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from gridcomm._client import CoordinatorClient
+from gridcomm._errors import CommAborted, ConfigError, GridcommError
+from gridcomm._server import Coordinator
+
+log = logging.getLogger(__name__)
+
+COLLECTIVES = ("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gather", "send", "recv", "send_recv",
+               "scatter", "gather", "all_to_all")
+
+
+def build_backend(kind: str, client: CoordinatorClient, name: str, rank: int, size: int) -> Any:
+    """Creates this rank's backend for communicator ``name``; for NCCL, its rank 0 makes the unique
+    ID (the NCCL bootstrap root lives in the creating process) and the others fetch it."""
+    if kind == "host":
+        from gridcomm._host import HostBackend
+
+        return HostBackend(client, name, rank, size)
+    from gridcomm import _nccl
+
+    key = f"{name}/nccl-unique-id"
+    if rank == 0:
+        unique_id = _nccl.new_unique_id()
+        client.set(key, unique_id)
+    else:
+        unique_id = client.get(key)
+    return _nccl.NcclBackend(size, rank, unique_id)
+
+
+class Communicator:
+    """A group of ranks that run collectives together (the ``cupyx.distributed.NCCLBackend`` API).
+
+    Made by :func:`gridcomm.init_process_group` or :meth:`split`. A context manager: leaving the
+    ``with`` block normally calls :meth:`stop`; an exception calls :meth:`abort`, so every other
+    rank learns of it instead of hanging::
+
+        with gridcomm.init_process_group(2, rank, backend="host") as comm:
+            x = numpy.full(4, rank + 1.0)
+            comm.all_reduce(x, x, op="sum")      # x == [3, 3, 3, 3] on both ranks
+    """
+
+    def __init__(self, backend: Any, client: CoordinatorClient, *, name: str = "world",
+                 members: Sequence[int] | None = None, coordinator: Coordinator | None = None,
+                 parent: Communicator | None = None, grace_s: float = 60.0) -> None:
+        self._backend = backend
+        self._client = client
+        self._coordinator = coordinator
+        self._parent = parent
+        self._grace_s = grace_s
+        self.rank: int = backend.rank
+        self.world_size: int = backend.world_size
+        self.backend: str = backend.kind
+        self.name = name
+        #: Global (job) rank of each member, indexed by this communicator's rank.
+        self.members: tuple[int, ...] = tuple(range(self.world_size)) if members is None else tuple(members)
+        self._participants: tuple[int, ...] = () if parent is None else tuple(sorted(self.members))
+        self._children: list[Communicator] = []
+        self._splits = 0
+        self._closed: GridcommError | None = None
+        for method in COLLECTIVES:
+            setattr(self, method, getattr(backend, method))
+
+    # ------------------------------------------------------------------ collectives (bound per instance)
+    def all_reduce(self, in_array: Any, out_array: Any, op: str = "sum", stream: Any = None) -> None:
+        """out_array = op over every rank's in_array (op: sum, prod, min, max, avg)."""
+        raise AssertionError("bound at construction")
+
+    def reduce(self, in_array: Any, out_array: Any, root: int = 0, op: str = "sum", stream: Any = None) -> None:
+        """out_array on ``root`` = op over every rank's in_array."""
+        raise AssertionError("bound at construction")
+
+    def broadcast(self, in_out_array: Any, root: int = 0, stream: Any = None) -> None:
+        """Copies ``root``'s array into every rank's array."""
+        raise AssertionError("bound at construction")
+
+    def reduce_scatter(self, in_array: Any, out_array: Any, count: int, op: str = "sum", stream: Any = None) -> None:
+        """Reduces in_array (count x world_size elements) and gives rank r the r-th count elements."""
+        raise AssertionError("bound at construction")
+
+    def all_gather(self, in_array: Any, out_array: Any, count: int, stream: Any = None) -> None:
+        """out_array (count x world_size elements) = every rank's in_array, in rank order."""
+        raise AssertionError("bound at construction")
+
+    def send(self, array: Any, peer: int, stream: Any = None) -> None:
+        """Sends array to ``peer`` (pair with its recv)."""
+        raise AssertionError("bound at construction")
+
+    def recv(self, out_array: Any, peer: int, stream: Any = None) -> None:
+        """Receives from ``peer`` into out_array."""
+        raise AssertionError("bound at construction")
+
+    def send_recv(self, in_array: Any, out_array: Any, peer: int, stream: Any = None) -> None:
+        """Sends in_array to ``peer`` and receives its array into out_array, without deadlock."""
+        raise AssertionError("bound at construction")
+
+    def scatter(self, in_array: Any, out_array: Any, root: int = 0, stream: Any = None) -> None:
+        """Rank r gets ``root``'s in_array[r] (in_array.shape[0] == world_size on the root)."""
+        raise AssertionError("bound at construction")
+
+    def gather(self, in_array: Any, out_array: Any, root: int = 0, stream: Any = None) -> None:
+        """``root``'s out_array[r] = rank r's in_array (out_array.shape[0] == world_size on the root)."""
+        raise AssertionError("bound at construction")
+
+    def all_to_all(self, in_array: Any, out_array: Any, stream: Any = None) -> None:
+        """Rank r's out_array[s] = rank s's in_array[r] (shape[0] == world_size on every rank)."""
+        raise AssertionError("bound at construction")
+
+    # ------------------------------------------------------------------ control plane
+    def _check_open(self, what: str) -> None:
+        if self._closed is not None:
+            raise type(self._closed)(f"{what}: {self._closed}")
+
+    def barrier(self, name: str | None = None, timeout_s: float | None = None) -> None:
+        """A control-plane barrier over this communicator's ranks; on timeout raises
+        :class:`RendezvousTimeout` naming the missing ranks (job ranks, as `gridcomm status` shows)."""
+        self._check_open("barrier")
+        label = "barrier" if name is None else name
+        if not isinstance(label, str) or not label:
+            raise ConfigError(f"barrier name must be a non-empty str, not {name!r}.")
+        self._client.barrier(f"{self.name}/{label}", timeout_s, participants=self._participants)
+
+    def split(self, color: int | None, key: int | None = None) -> Communicator | None:
+        """A sub-communicator of the ranks that pass the same ``color``, ordered by ``key`` (then
+        rank). Every rank must call it. A negative or None color joins no group and gets None."""
+        self._check_open("split")
+        for label, value in (("color", color), ("key", key)):
+            if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__")):
+                raise ConfigError(f"split: {label}={value!r} must be an integer or None.")
+        color_v = -1 if color is None or int(color) < 0 else int(color)
+        key_v = self.rank if key is None else int(key)
+        table = self._backend.exchange_ints([color_v, key_v])
+        self._splits += 1
+        if color_v < 0:
+            return None
+        group = sorted((k, r) for r, (c, k) in enumerate(table) if c == color_v)
+        ranks = [r for _, r in group]
+        new_rank = ranks.index(self.rank)
+        name = f"{self.name}.s{self._splits}c{color_v}"
+        backend = build_backend(self.backend, self._client, name, new_rank, len(ranks))
+        child = Communicator(backend, self._client, name=name, members=[self.members[r] for r in ranks], parent=self)
+        self._children.append(child)
+        return child
+
+    def _close(self, error: GridcommError) -> None:
+        self._closed = error
+
+        def refuse(*_args: Any, **_kwargs: Any) -> None:
+            raise type(error)(str(error))
+
+        for method in COLLECTIVES:
+            setattr(self, method, refuse)
+        for child in self._children:
+            if child._closed is None:
+                child._close(error)
+                child._backend.destroy()
+
+    def stop(self) -> None:
+        """Leaves cleanly and frees the backend; idempotent. On the rank that hosts the
+        coordinator, waits (bounded) for every rank to leave before the server stops."""
+        if self._closed is not None:
+            return
+        self._close(CommAborted(f"communicator {self.name!r} was stopped; create a new one"))
+        try:
+            self._backend.destroy()
+        finally:
+            if self._parent is None:
+                try:
+                    self._client.leave()
+                except GridcommError as exc:
+                    log.warning("rank %d: leave failed: %s", self.rank, exc)
+                finally:
+                    if self._coordinator is not None:
+                        self._coordinator.stop(grace_s=self._grace_s)
+
+    def abort(self, reason: str = "aborted by the user") -> None:
+        """Fails this rank on purpose: every other rank gets RankFailedError naming it, and this
+        rank's backend is aborted (NCCL work in flight is released). Idempotent."""
+        if self._closed is not None and not isinstance(self._closed, CommAborted):
+            return
+        if self._closed is not None and "stopped" in str(self._closed):
+            return
+        root = self
+        while root._parent is not None:
+            root = root._parent
+        root._close(CommAborted(f"rank {root.rank} aborted: {reason}"))
+        try:
+            root._backend.abort()
+        except Exception as exc:  # noqa: BLE001 - best effort, the report matters more
+            log.warning("rank %d: backend abort failed: %s", root.rank, exc)
+        try:
+            root._client.report_failure(reason)
+        except GridcommError as exc:
+            log.warning("rank %d: could not report the abort to the coordinator: %s", root.rank, exc)
+        finally:
+            root._client.close()
+            if root._coordinator is not None:
+                root._coordinator.stop(grace_s=root._grace_s)
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            self.stop()
+        else:
+            self.abort(f"{exc_type.__name__ if exc_type else 'error'} in user code: {exc}")
+
+    def __repr__(self) -> str:
+        return (f"<gridcomm.Communicator {self.name!r} rank {self.rank} of {self.world_size} backend={self.backend}"
+                f"{' closed' if self._closed else ''}>")

@@ -1,0 +1,256 @@
+"""The NCCL backend: ``cupy.cuda.nccl.NcclCommunicator`` with cupyx's argument conventions.
+
+No gRPC here: the unique ID arrives as bytes from whoever ran the rendezvous. The per-call path
+is kept short (one dict lookup for the dtype, one for the op, a few attribute reads), and makes
+no host synchronisation, allocation or control-plane call, so collectives can be captured in a
+CUDA graph. Invalid calls fall to the shared checks in ``_validate`` for the error message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gridcomm import _validate
+from gridcomm._errors import ArgumentError, ConfigError, GridcommError
+
+_cupy: Any = None
+_nccl: Any = None
+
+
+def _load() -> tuple[Any, Any]:
+    """Imports CuPy and its NCCL binding on first use (never at ``import gridcomm``)."""
+    global _cupy, _nccl
+    if _nccl is None:
+        try:
+            import cupy
+            from cupy.cuda import nccl
+        except Exception as exc:  # noqa: BLE001 - ImportError, or CUDA library load errors
+            raise ConfigError(f"the nccl backend needs CuPy with NCCL (pip install 'gridcomm[cuda12]' or "
+                              f"'gridcomm[cuda13]'); importing it failed: {exc}") from exc
+        if not getattr(nccl, "available", False):
+            raise ConfigError("CuPy is installed but NCCL is not available to it; install nvidia-nccl-cu12 "
+                              "(or -cu13) matching your cupy-cuda package, or use backend='host'.")
+        _cupy, _nccl = cupy, nccl
+    return _cupy, _nccl
+
+
+def available() -> bool:
+    """True when CuPy imports, sees at least one GPU, and has NCCL (what backend='auto' asks)."""
+    try:
+        cupy, _ = _load()
+        return bool(cupy.cuda.runtime.getDeviceCount() > 0)
+    except Exception:  # noqa: BLE001 - any failure means "not available"
+        return False
+
+
+def new_unique_id() -> bytes:
+    """A fresh NCCL unique ID as 128 bytes (the bootstrap root lives in this process)."""
+    _, nccl = _load()
+    return id_to_bytes(nccl.get_unique_id())
+
+
+def id_to_bytes(uid: Any) -> bytes:
+    """One place for both forms CuPy has used: a tuple of signed chars, or bytes."""
+    if isinstance(uid, (bytes, bytearray)):
+        data = bytes(uid)
+    else:
+        data = bytes(int(c) & 0xFF for c in uid)
+    if len(data) != 128:
+        raise ConfigError(f"an NCCL unique ID has 128 bytes, not {len(data)}.")
+    return data
+
+
+def id_from_bytes(data: bytes) -> tuple[int, ...]:
+    """The form ``NcclCommunicator`` takes: a tuple of 128 signed chars."""
+    if len(data) != 128:
+        raise ConfigError(f"an NCCL unique ID has 128 bytes, not {len(data)}; the key-value store gave a "
+                          "different value.")
+    return tuple(b - 256 if b > 127 else b for b in data)
+
+
+class NcclBackend:
+    """One rank's NCCL communicator. Built by the communicator after the rendezvous."""
+
+    kind = "nccl"
+
+    def __init__(self, world_size: int, rank: int, unique_id: bytes) -> None:
+        cupy, nccl = _load()
+        self.rank = rank
+        self.world_size = world_size
+        self._cupy = cupy
+        self._nccl = nccl
+        self._current_stream = cupy.cuda.get_current_stream
+        # Precomputed tables: dtype -> (NCCL type, elements per array element), op -> NCCL op.
+        self._dtypes: dict[Any, tuple[int, int]] = {}
+        for name, code in (("int8", "NCCL_INT8"), ("uint8", "NCCL_UINT8"), ("int32", "NCCL_INT32"),
+                           ("uint32", "NCCL_UINT32"), ("int64", "NCCL_INT64"), ("uint64", "NCCL_UINT64"),
+                           ("float16", "NCCL_FLOAT16"), ("float32", "NCCL_FLOAT32"), ("float64", "NCCL_FLOAT64")):
+            self._dtypes[cupy.dtype(name)] = (getattr(nccl, code), 1)
+        self._dtypes[cupy.dtype("complex64")] = (nccl.NCCL_FLOAT32, 2)
+        self._dtypes[cupy.dtype("complex128")] = (nccl.NCCL_FLOAT64, 2)
+        bf16 = getattr(cupy, "bfloat16", None)
+        if bf16 is not None and hasattr(nccl, "NCCL_BFLOAT16"):
+            self._dtypes[cupy.dtype(bf16)] = (nccl.NCCL_BFLOAT16, 1)
+        self._ops = {"sum": nccl.NCCL_SUM, "prod": nccl.NCCL_PROD, "min": nccl.NCCL_MIN, "max": nccl.NCCL_MAX}
+        # ncclAvg exists from NCCL 2.10; CuPy may not export its constant (its value is 4).
+        self._ops["avg"] = getattr(nccl, "NCCL_AVG", 4)
+        # Real reductions (no complex, no avg on integers) that take the fast path.
+        self._real_ops = {(dt, op): code for dt, (t, mult) in self._dtypes.items() if mult == 1
+                          for op, code in self._ops.items() if op != "avg" or dt.kind == "f" or dt.name == "bfloat16"}
+        for dt, (_, mult) in self._dtypes.items():
+            if mult == 2:
+                self._real_ops[(dt, "sum")] = self._ops["sum"]
+        try:
+            self._comm = nccl.NcclCommunicator(world_size, id_from_bytes(unique_id), rank)
+        except Exception as exc:  # noqa: BLE001 - NcclError, CUDA errors
+            raise GridcommError(f"rank {rank} of {world_size}: building the NCCL communicator failed: {exc}") from exc
+
+    # ------------------------------------------------------------------ helpers
+    def _stream(self, stream: Any) -> int:
+        return self._current_stream().ptr if stream is None else stream.ptr
+
+    def _typed(self, array: Any, method: str, name: str) -> tuple[int, int]:
+        """(NCCL type, count) for a contiguous supported array; raises the shared error otherwise."""
+        try:
+            nccl_type, mult = self._dtypes[array.dtype]
+        except (KeyError, AttributeError):
+            _validate.check_array(method, name, array)
+            raise ArgumentError(f"{method}: {name} dtype {array.dtype} is not supported by this NCCL") from None
+        flags = array.flags
+        if not (flags.c_contiguous or flags.f_contiguous):
+            _validate.check_contiguous(method, name, array)
+        return nccl_type, array.size * mult
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, in_array: Any, out_array: Any, op: str = "sum", stream: Any = None) -> None:
+        # Fast path: a supported dtype/op pair and matching C-contiguous arrays; anything else
+        # takes the shared checks, which raise the precise error (or accept, e.g. F-order).
+        try:
+            dtype = in_array.dtype
+            nccl_type, mult = self._dtypes[dtype]
+            code = self._real_ops[dtype, op]
+            fast = (in_array.flags.c_contiguous and out_array.flags.c_contiguous and out_array.dtype == dtype
+                    and out_array.size == in_array.size)
+        except (KeyError, AttributeError, TypeError):
+            fast = False
+        if not fast:
+            _validate.all_reduce(in_array, out_array, op)
+            nccl_type, count = self._typed(in_array, "all_reduce", "in_array")
+            mult = count // in_array.size if in_array.size else 1
+            code = self._ops[op]
+        self._comm.allReduce(in_array.data.ptr, out_array.data.ptr, in_array.size * mult, nccl_type, code,
+                             self._current_stream().ptr if stream is None else stream.ptr)
+
+    def reduce(self, in_array: Any, out_array: Any, root: int = 0, op: str = "sum", stream: Any = None) -> None:
+        root = _validate.reduce(in_array, out_array, root, op, self.rank, self.world_size)
+        nccl_type, count = self._typed(in_array, "reduce", "in_array")
+        out_ptr = out_array.data.ptr if self.rank == root else in_array.data.ptr
+        self._comm.reduce(in_array.data.ptr, out_ptr, count, nccl_type, self._ops[op], root, self._stream(stream))
+
+    def broadcast(self, in_out_array: Any, root: int = 0, stream: Any = None) -> None:
+        root = _validate.broadcast(in_out_array, root, self.world_size)
+        nccl_type, count = self._typed(in_out_array, "broadcast", "in_out_array")
+        ptr = in_out_array.data.ptr
+        self._comm.broadcast(ptr, ptr, count, nccl_type, root, self._stream(stream))
+
+    def reduce_scatter(self, in_array: Any, out_array: Any, count: int, op: str = "sum", stream: Any = None) -> None:
+        count = _validate.reduce_scatter(in_array, out_array, count, op, self.world_size)
+        nccl_type, mult = self._dtypes[in_array.dtype]
+        self._comm.reduceScatter(in_array.data.ptr, out_array.data.ptr, count * mult, nccl_type, self._ops[op],
+                                 self._stream(stream))
+
+    def all_gather(self, in_array: Any, out_array: Any, count: int, stream: Any = None) -> None:
+        count = _validate.all_gather(in_array, out_array, count, self.world_size)
+        nccl_type, mult = self._dtypes[in_array.dtype]
+        self._comm.allGather(in_array.data.ptr, out_array.data.ptr, count * mult, nccl_type, self._stream(stream))
+
+    def send(self, array: Any, peer: int, stream: Any = None) -> None:
+        _validate.check_array("send", "array", array)
+        peer = _validate.peer("send", peer, self.rank, self.world_size)
+        nccl_type, count = self._typed(array, "send", "array")
+        self._comm.send(array.data.ptr, count, nccl_type, peer, self._stream(stream))
+
+    def recv(self, out_array: Any, peer: int, stream: Any = None) -> None:
+        _validate.check_array("recv", "out_array", out_array)
+        peer = _validate.peer("recv", peer, self.rank, self.world_size)
+        nccl_type, count = self._typed(out_array, "recv", "out_array")
+        self._comm.recv(out_array.data.ptr, count, nccl_type, peer, self._stream(stream))
+
+    def send_recv(self, in_array: Any, out_array: Any, peer: int, stream: Any = None) -> None:
+        peer = _validate.send_recv(in_array, out_array, peer, self.rank, self.world_size)
+        s = self._stream(stream)
+        in_type, in_count = self._typed(in_array, "send_recv", "in_array")
+        out_type, out_count = self._typed(out_array, "send_recv", "out_array")
+        nccl = self._nccl
+        nccl.groupStart()
+        try:
+            self._comm.send(in_array.data.ptr, in_count, in_type, peer, s)
+            self._comm.recv(out_array.data.ptr, out_count, out_type, peer, s)
+        finally:
+            nccl.groupEnd()
+
+    def scatter(self, in_array: Any, out_array: Any, root: int = 0, stream: Any = None) -> None:
+        root = _validate.scatter(in_array, out_array, root, self.rank, self.world_size)
+        s = self._stream(stream)
+        out_type, out_count = self._typed(out_array, "scatter", "out_array")
+        nccl = self._nccl
+        nccl.groupStart()
+        try:
+            if self.rank == root:
+                for dst in range(self.world_size):
+                    part = in_array[dst]
+                    self._comm.send(part.data.ptr, out_count, out_type, dst, s)
+            self._comm.recv(out_array.data.ptr, out_count, out_type, root, s)
+        finally:
+            nccl.groupEnd()
+
+    def gather(self, in_array: Any, out_array: Any, root: int = 0, stream: Any = None) -> None:
+        root = _validate.gather(in_array, out_array, root, self.rank, self.world_size)
+        s = self._stream(stream)
+        in_type, in_count = self._typed(in_array, "gather", "in_array")
+        nccl = self._nccl
+        nccl.groupStart()
+        try:
+            if self.rank == root:
+                for src in range(self.world_size):
+                    self._comm.recv(out_array[src].data.ptr, in_count, in_type, src, s)
+            self._comm.send(in_array.data.ptr, in_count, in_type, root, s)
+        finally:
+            nccl.groupEnd()
+
+    def all_to_all(self, in_array: Any, out_array: Any, stream: Any = None) -> None:
+        _validate.all_to_all(in_array, out_array, self.world_size)
+        s = self._stream(stream)
+        nccl_type, mult = self._dtypes[in_array.dtype]
+        count = in_array.size // self.world_size * mult
+        nccl = self._nccl
+        nccl.groupStart()
+        try:
+            for peer in range(self.world_size):
+                self._comm.send(in_array[peer].data.ptr, count, nccl_type, peer, s)
+                self._comm.recv(out_array[peer].data.ptr, count, nccl_type, peer, s)
+        finally:
+            nccl.groupEnd()
+
+    # ------------------------------------------------------------------ support
+    def exchange_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` in rank order, through an NCCL all_gather (used by split)."""
+        cupy = self._cupy
+        mine = cupy.asarray(values, dtype=cupy.int64)
+        out = cupy.empty(len(values) * self.world_size, dtype=cupy.int64)
+        self.all_gather(mine, out, len(values))
+        return out.get().reshape(self.world_size, len(values)).tolist()
+
+    def synchronize(self) -> None:
+        self._current_stream().synchronize()
+
+    def abort(self) -> None:
+        """ncclCommAbort: releases a collective spinning on the GPU (callable from another thread)."""
+        comm = self._comm
+        if comm is not None:
+            comm.abort()
+
+    def destroy(self) -> None:
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.destroy()
