@@ -49,10 +49,16 @@ def _build_parser() -> argparse.ArgumentParser:
     status.add_argument("target", help="HOST:PORT")
     status.add_argument("--timeout-s", type=float, default=10.0)
 
+    launch = sub.add_parser("launch", help="start N local ranks (like torchrun); a failing rank stops the rest")
+    launch.add_argument("--nproc", type=int, required=True, help="number of local ranks")
+    launch.add_argument("--backend", default=None, help="auto, nccl or host (default: GRIDCOMM_BACKEND or auto)")
+    launch.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
+    launch.add_argument("argv", nargs=argparse.REMAINDER, help="SCRIPT [ARGS] (or the module's ARGS)")
+
     demo = sub.add_parser("demo", help="the main job on its embedded default")
     demo.add_argument("--nproc", type=int, default=4, help="local ranks (default 4)")
     demo.add_argument("--backend", default=None, help="auto, nccl or host (default: auto)")
-    demo.add_argument("--barriers", type=int, default=100, help="barriers to time (default 100)")
+    demo.add_argument("--iters", type=int, default=None, help="timed calls per collective (default: 20 host, 500 nccl)")
     return parser
 
 
@@ -138,10 +144,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return code
         if args.command == "status":
             return _status(args)
+        if args.command == "launch":
+            from gridcomm._launch import launch
+
+            command = list(args.argv)
+            if args.module:
+                command = ["-m", args.module, *command]
+            return launch(args.nproc, command, backend=args.backend)
         if args.command == "demo":
             from gridcomm._demo import run_demo
 
-            return run_demo(nproc=args.nproc, backend=args.backend, barriers=args.barriers)
+            return run_demo(nproc=args.nproc, backend=args.backend, iters=args.iters)
     except GridcommError as exc:
         print(f"gridcomm {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -49,28 +51,36 @@ class RankProcesses:
     def __init__(self, code: str, n: int, env: dict[str, str] | None = None, ranks: Sequence[int] | None = None,
                  per_rank_env: dict[int, dict[str, str]] | None = None) -> None:
         self.procs: dict[int, subprocess.Popen] = {}
+        # Why files, not pipes: a rank blocked on a full pipe while we wait on another rank
+        # would stall the whole job.
+        self._files: dict[int, tuple] = {}
         base = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         base.update(env or {})
         source = textwrap.dedent(code)
         for rank in (range(n) if ranks is None else ranks):
             rank_env = dict(base, GRIDCOMM_RANK=str(rank), GRIDCOMM_WORLD_SIZE=str(n))
             rank_env.update((per_rank_env or {}).get(rank, {}))
-            self.procs[rank] = subprocess.Popen(
-                [sys.executable, "-c", source], env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            )
+            out = tempfile.TemporaryFile(mode="w+")
+            err = tempfile.TemporaryFile(mode="w+")
+            self._files[rank] = (out, err)
+            self.procs[rank] = subprocess.Popen([sys.executable, "-c", source], env=rank_env, stdout=out, stderr=err,
+                                                text=True)
 
     def wait(self, timeout_s: float) -> dict[int, RankResult]:
         results: dict[int, RankResult] = {}
+        deadline = time.monotonic() + timeout_s
         try:
             for rank, proc in self.procs.items():
                 try:
-                    out, err = proc.communicate(timeout=timeout_s)
+                    code: int | None = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     proc.kill()
-                    out, err = proc.communicate(timeout=10)
-                    results[rank] = RankResult(rank, None, out, err)
-                    continue
-                results[rank] = RankResult(rank, proc.returncode, out, err)
+                    proc.wait(10)
+                    code = None
+                out, err = self._files[rank]
+                out.seek(0)
+                err.seek(0)
+                results[rank] = RankResult(rank, code, out.read(), err.read())
         finally:
             self.close()
         return results
@@ -83,6 +93,10 @@ class RankProcesses:
                     proc.wait(10)
                 except subprocess.TimeoutExpired:
                     pass
+        for out, err in self._files.values():
+            out.close()
+            err.close()
+        self._files = {}
 
     def __enter__(self) -> RankProcesses:
         return self

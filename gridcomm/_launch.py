@@ -1,0 +1,155 @@
+"""``gridcomm launch``: N local ranks, like torchrun, with a failing rank stopping the rest."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO
+
+from gridcomm import _config
+from gridcomm._errors import ConfigError
+
+#: After one rank fails, the others get SIGTERM, then SIGKILL once this grace has passed.
+STOP_GRACE_S = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now (the coordinator binds it a moment later; a clash is reported)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def visible_gpus(environ: Mapping[str, str]) -> list[str]:
+    """GPU ids for CUDA_VISIBLE_DEVICES, without importing CuPy: the parent's list if set, else
+    the NVIDIA device nodes."""
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d for d in listed.split(",") if d.strip() and d.strip() != "-1"]
+    return sorted((p[len("/dev/nvidia"):] for p in glob.glob("/dev/nvidia[0-9]*")), key=int)
+
+
+def rank_environments(nproc: int, backend: str, port: int, environ: Mapping[str, str]) -> list[dict[str, str]]:
+    gpus = visible_gpus(environ)
+    envs = []
+    for rank in range(nproc):
+        env = dict(environ)
+        env.update(GRIDCOMM_RANK=str(rank), GRIDCOMM_LOCAL_RANK=str(rank), GRIDCOMM_WORLD_SIZE=str(nproc),
+                   GRIDCOMM_HOST="127.0.0.1", GRIDCOMM_PORT=str(port), GRIDCOMM_BACKEND=backend,
+                   GRIDCOMM_BIND=env.get("GRIDCOMM_BIND", "127.0.0.1"), PYTHONUNBUFFERED="1")
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[rank % len(gpus)]
+        envs.append(env)
+    return envs
+
+
+def _pump(stream: IO[bytes], prefix: bytes, sink: IO[bytes], lock: threading.Lock) -> None:
+    for line in iter(stream.readline, b""):
+        with lock:
+            sink.write(prefix + line)
+            sink.flush()
+    stream.close()
+
+
+def launch(nproc: int, command: Sequence[str], backend: str | None = None,
+           environ: Mapping[str, str] | None = None) -> int:
+    """Runs ``command`` as ``nproc`` ranks; returns 0 when all exit 0, else the first failure's code."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ConfigError(f"--nproc={nproc!r} must be a positive integer.")
+    if not command:
+        raise ConfigError("launch needs a script (or -m MODULE) to run.")
+    env_in = _config.process_environ() if environ is None else environ
+    chosen = _config.backend(backend, env_in) if backend is not None else env_in.get("GRIDCOMM_BACKEND", "auto")
+    _config.backend(chosen)
+    port = int(env_in["GRIDCOMM_PORT"]) if env_in.get("GRIDCOMM_PORT") else free_port()
+    lock = threading.Lock()
+    out = sys.stdout.buffer
+    err = sys.stderr.buffer
+    procs: list[subprocess.Popen[bytes]] = []
+    pumps: list[threading.Thread] = []
+    for rank, env in enumerate(rank_environments(nproc, chosen, port, env_in)):
+        proc = subprocess.Popen([sys.executable, *command], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        procs.append(proc)
+        prefix = f"[rank {rank}] ".encode()
+        for stream, sink in ((proc.stdout, out), (proc.stderr, err)):
+            assert stream is not None
+            pump = threading.Thread(target=_pump, args=(stream, prefix, sink, lock), daemon=True)
+            pump.start()
+            pumps.append(pump)
+
+    def forward(signum: int, _frame: object) -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    first_failure: tuple[int, int] | None = None
+    by_pid = {proc.pid: rank for rank, proc in enumerate(procs)}
+    try:
+        running = set(range(nproc))
+        while running:
+            # Blocks until some child exits (no polling); signals are forwarded meanwhile.
+            pid, status = os.wait()
+            rank = by_pid.get(pid)
+            if rank is None or rank not in running:
+                continue
+            running.discard(rank)
+            code = os.waitstatus_to_exitcode(status)
+            procs[rank].returncode = code
+            if code != 0 and first_failure is None:
+                first_failure = (rank, code)
+                with lock:
+                    err.write(f"gridcomm launch: rank {rank} exited with code {code}; stopping the other "
+                              f"ranks\n".encode())
+                    err.flush()
+                _signal_all(procs, signal.SIGTERM)
+                _reap_later(procs, running)
+    finally:
+        _stop(procs)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for pump in pumps:
+            pump.join(5)
+    if first_failure is None:
+        return 0
+    return first_failure[1] if first_failure[1] > 0 else 128 - first_failure[1]
+
+
+def _signal_all(procs: Sequence[subprocess.Popen[bytes]], signum: int) -> None:
+    for proc in procs:
+        if proc.returncode is None:
+            try:
+                proc.send_signal(signum)
+            except ProcessLookupError:
+                pass
+
+
+def _reap_later(procs: Sequence[subprocess.Popen[bytes]], running: set[int]) -> None:
+    """SIGKILL for ranks still running STOP_GRACE_S after the first failure."""
+    def kill() -> None:
+        for rank in list(running):
+            _signal_all([procs[rank]], signal.SIGKILL)
+
+    timer = threading.Timer(STOP_GRACE_S, kill)
+    timer.daemon = True
+    timer.start()
+
+
+def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    alive = [p for p in procs if p.returncode is None and p.poll() is None]
+    for proc in alive:
+        proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in alive:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
