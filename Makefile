@@ -11,6 +11,8 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[netns]' 2>/dev/null || \
+		echo "note: NetfilterQueue did not build (libnetfilter-queue-dev missing?); latency tests will skip"
 	touch $@
 
 demo: $(BIN)/.installed

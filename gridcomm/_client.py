@@ -40,7 +40,7 @@ _T = TypeVar("_T")
 #: Progress is logged, and a fresh long-poll is issued, at least this often during long waits.
 PROGRESS_INTERVAL_S = 10.0
 #: Transport slack added to a long-poll's gRPC deadline beyond the wait the server was asked for.
-_CALL_SLACK_S = 2.0
+_CALL_SLACK_S = 1.0
 #: Bound on a short (non-waiting) call.
 SHORT_CALL_S = 10.0
 

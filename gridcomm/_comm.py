@@ -143,13 +143,17 @@ class Communicator:
         key_v = self.rank if key is None else int(key)
         table = self._backend.exchange_ints([color_v, key_v])
         self._splits += 1
+        # Members ordered by (key, parent rank), as ncclCommSplit orders them.
+        ranks = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(table) if c == color_v)]
+        new_rank = ranks.index(self.rank) if color_v >= 0 else -1
+        name = f"{self.name}.s{self._splits}c{color_v}"
+        backend = None
+        if self.backend == "nccl":
+            backend = self._backend.split(color_v, key_v, new_rank, len(ranks))
         if color_v < 0:
             return None
-        group = sorted((k, r) for r, (c, k) in enumerate(table) if c == color_v)
-        ranks = [r for _, r in group]
-        new_rank = ranks.index(self.rank)
-        name = f"{self.name}.s{self._splits}c{color_v}"
-        backend = build_backend(self.backend, self._client, name, new_rank, len(ranks))
+        if backend is None:
+            backend = build_backend(self.backend, self._client, name, new_rank, len(ranks))
         child = Communicator(backend, self._client, name=name, members=[self.members[r] for r in ranks], parent=self)
         self._children.append(child)
         return child

@@ -60,12 +60,13 @@ def id_to_bytes(uid: Any) -> bytes:
     return data
 
 
-def id_from_bytes(data: bytes) -> tuple[int, ...]:
-    """The form ``NcclCommunicator`` takes: a tuple of 128 signed chars."""
+def id_forms(data: bytes) -> tuple[bytes, tuple[int, ...]]:
+    """The two forms ``NcclCommunicator`` has taken: bytes (CuPy 14) and a tuple of 128 signed
+    chars (older CuPy). Checked for length first, so a wrong value never reaches NCCL."""
     if len(data) != 128:
         raise ConfigError(f"an NCCL unique ID has 128 bytes, not {len(data)}; the key-value store gave a "
                           "different value.")
-    return tuple(b - 256 if b > 127 else b for b in data)
+    return bytes(data), tuple(b - 256 if b > 127 else b for b in data)
 
 
 class NcclBackend:
@@ -88,20 +89,29 @@ class NcclBackend:
             self._dtypes[cupy.dtype(name)] = (getattr(nccl, code), 1)
         self._dtypes[cupy.dtype("complex64")] = (nccl.NCCL_FLOAT32, 2)
         self._dtypes[cupy.dtype("complex128")] = (nccl.NCCL_FLOAT64, 2)
-        bf16 = getattr(cupy, "bfloat16", None)
-        if bf16 is not None and hasattr(nccl, "NCCL_BFLOAT16"):
-            self._dtypes[cupy.dtype(bf16)] = (nccl.NCCL_BFLOAT16, 1)
+        if hasattr(nccl, "NCCL_BFLOAT16"):
+            try:  # CuPy 14 knows "bfloat16" through ml_dtypes
+                self._dtypes[cupy.dtype("bfloat16")] = (nccl.NCCL_BFLOAT16, 1)
+            except TypeError:
+                pass
         self._ops = {"sum": nccl.NCCL_SUM, "prod": nccl.NCCL_PROD, "min": nccl.NCCL_MIN, "max": nccl.NCCL_MAX}
         # ncclAvg exists from NCCL 2.10; CuPy may not export its constant (its value is 4).
         self._ops["avg"] = getattr(nccl, "NCCL_AVG", 4)
-        # Real reductions (no complex, no avg on integers) that take the fast path.
-        self._real_ops = {(dt, op): code for dt, (t, mult) in self._dtypes.items() if mult == 1
-                          for op, code in self._ops.items() if op != "avg" or dt.kind == "f" or dt.name == "bfloat16"}
-        for dt, (_, mult) in self._dtypes.items():
-            if mult == 2:
-                self._real_ops[(dt, "sum")] = self._ops["sum"]
+        # (dtype, op) -> (NCCL type, elements per array element, NCCL op) for every valid pair:
+        # one lookup on the fast path (complex: sum only; avg: floating types only).
+        self._fast: dict[tuple[Any, str], tuple[int, int, int]] = {}
+        for dt, (nccl_type, mult) in self._dtypes.items():
+            for op, code in self._ops.items():
+                if (mult == 2 and op != "sum") or (op == "avg" and dt.kind != "f" and dt.name != "bfloat16"):
+                    continue
+                self._fast[dt, op] = (nccl_type, mult, code)
+        as_bytes, as_tuple = id_forms(unique_id)
         try:
-            self._comm = nccl.NcclCommunicator(world_size, id_from_bytes(unique_id), rank)
+            try:
+                self._comm = nccl.NcclCommunicator(world_size, as_bytes, rank)
+            except TypeError:
+                # Why: the argument type is checked before NCCL runs, so retrying is safe.
+                self._comm = nccl.NcclCommunicator(world_size, as_tuple, rank)
         except Exception as exc:  # noqa: BLE001 - NcclError, CUDA errors
             raise GridcommError(f"rank {rank} of {world_size}: building the NCCL communicator failed: {exc}") from exc
 
@@ -123,22 +133,21 @@ class NcclBackend:
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, in_array: Any, out_array: Any, op: str = "sum", stream: Any = None) -> None:
-        # Fast path: a supported dtype/op pair and matching C-contiguous arrays; anything else
-        # takes the shared checks, which raise the precise error (or accept, e.g. F-order).
+        # Fast path: a valid dtype/op pair and matching C-contiguous arrays. Anything else takes
+        # the shared checks, which raise the precise error (or accept, e.g. F-order arrays).
         try:
             dtype = in_array.dtype
-            nccl_type, mult = self._dtypes[dtype]
-            code = self._real_ops[dtype, op]
-            fast = (in_array.flags.c_contiguous and out_array.flags.c_contiguous and out_array.dtype == dtype
-                    and out_array.size == in_array.size)
+            nccl_type, mult, code = self._fast[dtype, op]
+            size = in_array.size
+            fast = (in_array._c_contiguous and out_array._c_contiguous and out_array.size == size
+                    and (out_array.dtype is dtype or out_array.dtype == dtype))
         except (KeyError, AttributeError, TypeError):
             fast = False
         if not fast:
             _validate.all_reduce(in_array, out_array, op)
             nccl_type, count = self._typed(in_array, "all_reduce", "in_array")
-            mult = count // in_array.size if in_array.size else 1
-            code = self._ops[op]
-        self._comm.allReduce(in_array.data.ptr, out_array.data.ptr, in_array.size * mult, nccl_type, code,
+            size, mult, code = count, 1, self._ops[op]
+        self._comm.allReduce(in_array.data.ptr, out_array.data.ptr, size * mult, nccl_type, code,
                              self._current_stream().ptr if stream is None else stream.ptr)
 
     def reduce(self, in_array: Any, out_array: Any, root: int = 0, op: str = "sum", stream: Any = None) -> None:
@@ -233,6 +242,23 @@ class NcclBackend:
             nccl.groupEnd()
 
     # ------------------------------------------------------------------ support
+    def split(self, color: int, key: int, new_rank: int, new_size: int) -> NcclBackend | None:
+        """ncclCommSplit where CuPy offers it (every rank calls; color < 0 joins no group);
+        None when this CuPy has no commSplit (the caller then builds a fresh communicator)."""
+        split = getattr(self._comm, "commSplit", None)
+        if split is None:
+            return None
+        try:
+            comm = split(color, key)
+        except Exception as exc:  # noqa: BLE001 - NcclError
+            raise GridcommError(f"rank {self.rank}: ncclCommSplit(color={color}, key={key}) failed: {exc}") from exc
+        if color < 0:
+            return None
+        child = object.__new__(NcclBackend)
+        child.__dict__.update(self.__dict__)
+        child.rank, child.world_size, child._comm = new_rank, new_size, comm
+        return child
+
     def exchange_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` in rank order, through an NCCL all_gather (used by split)."""
         cupy = self._cupy

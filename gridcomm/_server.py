@@ -216,6 +216,12 @@ class _Servicer(pb_grpc.CoordinatorServicer):
     def _on_failure(self) -> None:
         self._owner._set_serving(False)
         self.wake_all()
+        self._note_departures()
+
+    def _note_departures(self) -> None:
+        """Lets a stop() that waits for every rank to leave (or fail) go on."""
+        if self._state.all_left():
+            self._owner._all_left.set()
 
     # ------------------------------------------------------------------ RPCs
     @_handler
@@ -342,8 +348,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         state.leave(caller.rank, self._now())
         # Why: barriers waiting on this rank can never complete; let them fail now.
         self.wake_all()
-        if state.all_left():
-            self._owner._all_left.set()
+        self._note_departures()
         return pb.LeaveResponse()
 
     async def Put(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.PutResponse:
