@@ -7,7 +7,8 @@ import time
 
 from gridcomm import _config
 from gridcomm._client import CoordinatorClient
-from gridcomm._comm import Communicator, build_backend
+from gridcomm._comm import Communicator, FailureLatch, build_backend
+from gridcomm._liveness import RankHealth, Watcher
 from gridcomm._errors import ConfigError, GridcommError
 from gridcomm._server import Coordinator
 
@@ -54,21 +55,40 @@ def init_process_group(
     kind = resolve_backend(backend)
     dial_host, dial_port = _config.coordinator_address(host, port)
     secret = _config.token(token)
+    tls = _config.tls()
     wait_s = _config.timeout_s(timeout_s)
     started = time.monotonic()
     coordinator = None
+    health = None
+    watcher = None
+    latch = FailureLatch()
+    health_port = _config.health_port()
+    if health_port is not None and not (my_rank == 0 and _config.coordinator_mode() == "embedded"):
+        # Up before the rendezvous, so kubelet's liveness probe passes while ranks gather.
+        health = RankHealth(health_port, _config.bind_address()).start()
     if my_rank == 0 and _config.coordinator_mode() == "embedded":
         bind = _config.bind_address()
-        coordinator = Coordinator(world_size, bind=bind, port=dial_port, token=secret).start()
-        # Why: rank 0 dials its own server directly, not through a DNS name that may lag.
-        dial_host = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind
+        coordinator = Coordinator(world_size, bind=bind, port=dial_port, token=secret, tls=tls,
+                                  health_port=health_port).start()
+        # Why: rank 0 dials its own server directly, not through a DNS name that may lag (with
+        # TLS it keeps the configured name, which the certificate is issued for, unless
+        # GRIDCOMM_TLS_SERVER_NAME says what to verify).
+        if tls is None or tls.server_name:
+            dial_host = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind
         dial_port = coordinator.port
     client = None
     try:
-        client = CoordinatorClient(dial_host, dial_port, my_rank, world_size, token=secret, timeout_s=wait_s)
+        client = CoordinatorClient(dial_host, dial_port, my_rank, world_size, token=secret, timeout_s=wait_s, tls=tls)
         client.join()
+        watcher = Watcher(client.target, client.tls, client.metadata, client.caller, client.heartbeat_timeout_s,
+                          latch.fire)
+        watcher.start()
         impl = build_backend(kind, client, "world", my_rank, world_size)
     except BaseException as exc:
+        if watcher is not None:
+            watcher.stop()
+        if health is not None:
+            health.stop()
         if client is not None:
             if isinstance(exc, GridcommError) and client.generation:
                 try:
@@ -80,4 +100,5 @@ def init_process_group(
             coordinator.stop(grace_s=min(5.0, wait_s))
         raise
     log.info("rank %d of %d: %s communicator ready in %.3f s", my_rank, world_size, kind, time.monotonic() - started)
-    return Communicator(impl, client, coordinator=coordinator, grace_s=min(60.0, wait_s))
+    return Communicator(impl, client, coordinator=coordinator, grace_s=min(60.0, wait_s), watcher=watcher,
+                        health=health, latch=latch)

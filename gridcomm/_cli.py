@@ -65,10 +65,12 @@ def _build_parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     bind = _config.bind_address(args.bind)
     _, port = _config.coordinator_address("localhost", args.port)
-    server = Coordinator(_config.world_size(args.world_size), bind=bind, port=port,
-                         token=_config.token(), job_id=args.job_id).start()
+    server = Coordinator(_config.world_size(args.world_size), bind=bind, port=port, token=_config.token(),
+                         job_id=args.job_id, tls=_config.tls(), health_port=_config.health_port()).start()
     print(f"gridcomm coordinator for {server.world_size} ranks listening on "
-          f"{_config.format_target(bind, server.port)}", flush=True)
+          f"{_config.format_target(bind, server.port)}"
+          + (f" (TLS; plaintext health on port {server.health_port})" if server.tls else "")
+          + (f" (health on port {server.health_port})" if server.health_port and not server.tls else ""), flush=True)
     done = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

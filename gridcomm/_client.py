@@ -100,6 +100,25 @@ def channel_options() -> list[tuple[str, Any]]:
     ]
 
 
+def channel_credentials(tls: _config.TlsFiles) -> grpc.ChannelCredentials:
+    cert, key = tls.client_pair()
+    return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=key, certificate_chain=cert)
+
+
+def secure_options(tls: _config.TlsFiles | None) -> list[tuple[str, Any]]:
+    options = channel_options()
+    if tls is not None and tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    return options
+
+
+def make_channel(target: str, tls: _config.TlsFiles | None) -> grpc.Channel:
+    """A synchronous channel to the coordinator: TLS when configured, else plaintext."""
+    if tls is None:
+        return grpc.insecure_channel(target, options=channel_options())
+    return grpc.secure_channel(target, channel_credentials(tls), options=secure_options(tls))
+
+
 def _metadata_value(error: grpc.RpcError, key: str) -> str | None:
     try:
         trailing = error.trailing_metadata() or ()  # type: ignore[attr-defined]
@@ -172,6 +191,7 @@ class CoordinatorClient:
         *,
         job_id: str | None = None,
         hostname: str | None = None,
+        tls: _config.TlsFiles | None = None,
     ) -> None:
         self.world_size = _config.world_size(world_size)
         self.rank = _config.rank(rank, self.world_size)
@@ -187,13 +207,19 @@ class CoordinatorClient:
         self.target = _config.format_target(self.host, self.port)
         secret = _config.token(token)
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {secret}"),) if secret else ()
-        self._channel: grpc.Channel | None = grpc.insecure_channel(self.target, options=channel_options())
+        self.tls = tls if tls is not None else _config.tls()
+        self._channel: grpc.Channel | None = make_channel(self.target, self.tls)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._barrier_seq: dict[str, int] = {}
         self._joined = False
         self._left = False
 
     # ------------------------------------------------------------------ plumbing
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The call metadata (the token) this client sends."""
+        return self._metadata
+
     @property
     def caller(self) -> pb.Caller:
         return pb.Caller(job_id=self.job_id, rank=self.rank, incarnation=self.incarnation, generation=self.generation)
@@ -376,7 +402,7 @@ def fetch_status(host: str, port: int, token: str | None = None, timeout_s: floa
     target = _config.format_target(host, port)
     secret = _config.token(token)
     metadata = (("authorization", f"Bearer {secret}"),) if secret else ()
-    with grpc.insecure_channel(target, options=channel_options()) as channel:
+    with make_channel(target, _config.tls()) as channel:
         try:
             return pb_grpc.CoordinatorStub(channel).Status(pb.StatusRequest(), timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as exc:

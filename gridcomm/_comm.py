@@ -12,8 +12,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import threading
+
 from gridcomm._client import CoordinatorClient
-from gridcomm._errors import CommAborted, ConfigError, GridcommError
+from gridcomm._errors import ArgumentError, CommAborted, ConfigError, GridcommError
+from gridcomm._liveness import RankHealth, Watcher
 from gridcomm._server import Coordinator
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,31 @@ def build_backend(kind: str, client: CoordinatorClient, name: str, rank: int, si
     return _nccl.NcclBackend(size, rank, unique_id)
 
 
+class FailureLatch:
+    """Holds the first failure a watcher reports, until the communicator it belongs to exists."""
+
+    def __init__(self) -> None:
+        self.error: GridcommError | None = None
+        self.handler: Any = None
+        self._lock = threading.Lock()
+
+    def fire(self, error: GridcommError) -> None:
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = error
+            handler = self.handler
+        if handler is not None:
+            handler(error)
+
+    def attach(self, handler: Any) -> None:
+        with self._lock:
+            self.handler = handler
+            error = self.error
+        if error is not None:
+            handler(error)
+
+
 class Communicator:
     """A group of ranks that run collectives together (the ``cupyx.distributed.NCCLBackend`` API).
 
@@ -54,7 +82,8 @@ class Communicator:
 
     def __init__(self, backend: Any, client: CoordinatorClient, *, name: str = "world",
                  members: Sequence[int] | None = None, coordinator: Coordinator | None = None,
-                 parent: Communicator | None = None, grace_s: float = 60.0) -> None:
+                 parent: Communicator | None = None, grace_s: float = 60.0, watcher: Watcher | None = None,
+                 health: RankHealth | None = None, latch: FailureLatch | None = None) -> None:
         self._backend = backend
         self._client = client
         self._coordinator = coordinator
@@ -70,8 +99,53 @@ class Communicator:
         self._children: list[Communicator] = []
         self._splits = 0
         self._closed: GridcommError | None = None
+        self._finalized = False
+        self._watcher = watcher
+        self._health = health
         for method in COLLECTIVES:
             setattr(self, method, getattr(backend, method))
+        backend.on_invalid = self._invalid_call
+        if health is not None:
+            health.set(live=True, ready=True)
+        if latch is not None:
+            latch.attach(self._on_failure)
+
+    # ------------------------------------------------------------------ failure handling
+    def _root(self) -> Communicator:
+        root = self
+        while root._parent is not None:
+            root = root._parent
+        return root
+
+    def _on_failure(self, error: GridcommError) -> None:
+        """Called from the liveness thread: another rank failed, or the coordinator is gone.
+        Every later call raises ``error``; NCCL work in flight is aborted, not left spinning."""
+        root = self._root()
+        if root._closed is not None:
+            return
+        log.error("rank %d: %s; aborting the communicator", root.rank, error)
+        root._close(error)
+        root._abort_backends(error)
+        if root._health is not None:
+            root._health.set(live=False, ready=False)
+
+    def _abort_backends(self, error: GridcommError) -> None:
+        for backend in self._all_backends():
+            try:
+                backend.abort(error)
+            except Exception as exc:  # noqa: BLE001 - best effort
+                log.warning("rank %d: backend abort failed: %s", self.rank, exc)
+
+    def _all_backends(self) -> list[Any]:
+        backends = [self._backend]
+        for child in self._children:
+            backends.extend(child._all_backends())
+        return backends
+
+    def _invalid_call(self, error: Exception) -> None:
+        """A collective was called with invalid arguments: peers may already wait inside it, so
+        this rank is reported failed (they get RankFailedError naming it instead of hanging)."""
+        self.abort(f"invalid call: {error}")
 
     # ------------------------------------------------------------------ collectives (bound per instance)
     def all_reduce(self, in_array: Any, out_array: Any, op: str = "sum", stream: Any = None) -> None:
@@ -169,49 +243,54 @@ class Communicator:
         for child in self._children:
             if child._closed is None:
                 child._close(error)
-                child._backend.destroy()
 
     def stop(self) -> None:
-        """Leaves cleanly and frees the backend; idempotent. On the rank that hosts the
-        coordinator, waits (bounded) for every rank to leave before the server stops."""
-        if self._closed is not None:
-            return
-        self._close(CommAborted(f"communicator {self.name!r} was stopped; create a new one"))
-        try:
-            self._backend.destroy()
-        finally:
-            if self._parent is None:
-                try:
-                    self._client.leave()
-                except GridcommError as exc:
-                    log.warning("rank %d: leave failed: %s", self.rank, exc)
-                finally:
-                    if self._coordinator is not None:
-                        self._coordinator.stop(grace_s=self._grace_s)
+        """Leaves cleanly and frees the backend; idempotent. Also the way out after another
+        rank failed. On the rank that hosts the coordinator, waits (bounded) for every rank to
+        leave or fail before the server stops."""
+        if self._closed is None:
+            self._close(CommAborted(f"communicator {self.name!r} was stopped; create a new one"))
+            for backend in self._all_backends():
+                backend.destroy()
+        if self._parent is None:
+            self._finalize(report=None)
 
     def abort(self, reason: str = "aborted by the user") -> None:
         """Fails this rank on purpose: every other rank gets RankFailedError naming it, and this
-        rank's backend is aborted (NCCL work in flight is released). Idempotent."""
-        if self._closed is not None and not isinstance(self._closed, CommAborted):
+        rank's backends are aborted (NCCL work in flight is released). Idempotent."""
+        root = self._root()
+        if root._finalized:
             return
-        if self._closed is not None and "stopped" in str(self._closed):
+        if root._closed is None:
+            error = CommAborted(f"rank {root.rank} aborted: {reason}")
+            root._close(error)
+            root._abort_backends(error)
+        root._finalize(report=reason)
+
+    def _finalize(self, report: str | None) -> None:
+        """Ends this rank's part in the job once: stops heartbeats, then reports a failure
+        (``report``) or leaves cleanly, then stops health and the embedded coordinator."""
+        if self._finalized:
             return
-        root = self
-        while root._parent is not None:
-            root = root._parent
-        root._close(CommAborted(f"rank {root.rank} aborted: {reason}"))
+        self._finalized = True
+        if self._watcher is not None:
+            self._watcher.stop()
+        if self._health is not None:
+            self._health.set(live=report is None, ready=False)
         try:
-            root._backend.abort()
-        except Exception as exc:  # noqa: BLE001 - best effort, the report matters more
-            log.warning("rank %d: backend abort failed: %s", root.rank, exc)
-        try:
-            root._client.report_failure(reason)
+            if report is not None:
+                self._client.report_failure(report)
+            else:
+                self._client.leave()
         except GridcommError as exc:
-            log.warning("rank %d: could not report the abort to the coordinator: %s", root.rank, exc)
+            log.warning("rank %d: could not tell the coordinator (%s): %s", self.rank,
+                        "failure" if report else "leave", exc)
         finally:
-            root._client.close()
-            if root._coordinator is not None:
-                root._coordinator.stop(grace_s=root._grace_s)
+            self._client.close()
+            if self._health is not None:
+                self._health.stop()
+            if self._coordinator is not None:
+                self._coordinator.stop(grace_s=self._grace_s)
 
     def __enter__(self) -> Communicator:
         return self
@@ -219,6 +298,9 @@ class Communicator:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         if exc is None:
             self.stop()
+        elif isinstance(exc, GridcommError) and self._root()._closed is not None:
+            # Another rank failed (or this one already aborted): leave; nothing new to report.
+            self._root().stop()
         else:
             self.abort(f"{exc_type.__name__ if exc_type else 'error'} in user code: {exc}")
 

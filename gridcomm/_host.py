@@ -15,6 +15,7 @@ import numpy as np
 
 from gridcomm import _validate
 from gridcomm._client import CoordinatorClient
+from gridcomm._errors import GridcommError
 
 _REDUCE: dict[str, Callable[..., Any]] = {
     "sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "avg": np.add,
@@ -31,6 +32,8 @@ class HostBackend:
     """Collectives for one communicator (``name``) over the coordinator mailbox."""
 
     kind = "host"
+    #: Called with an ArgumentError before it propagates (set by the communicator).
+    on_invalid: Callable[[Exception], None] | None = None
 
     def __init__(self, client: CoordinatorClient, name: str, rank: int, world_size: int) -> None:
         self._client = client
@@ -39,6 +42,8 @@ class HostBackend:
         self.world_size = world_size
         self._seq = 0
         self._p2p: dict[tuple[int, int], int] = {}
+        #: Set by abort(): calls that fail afterwards raise it (the cause), not the symptom.
+        self._failure: Exception | None = None
 
     # ------------------------------------------------------------------ message plumbing
     def _next(self) -> str:
@@ -47,10 +52,22 @@ class HostBackend:
 
     def _put(self, key: str, array: Any, readers: int = 1) -> None:
         if readers > 0:
-            self._client.put(key, _bytes(array), readers)
+            try:
+                self._client.put(key, _bytes(array), readers)
+            except GridcommError as exc:
+                raise self._failure or exc from exc
 
     def _take(self, key: str, out: Any) -> None:
-        self._client.take(key, out=_bytes(out))
+        try:
+            self._client.take(key, out=_bytes(out))
+        except GridcommError as exc:
+            raise self._failure or exc from exc
+
+    def _take_bytes(self, key: str, out: memoryview) -> None:
+        try:
+            self._client.take(key, out=out)
+        except GridcommError as exc:
+            raise self._failure or exc from exc
 
     def _reduce_to(self, tag: str, root: int, in_array: Any, op: str) -> np.ndarray | None:
         """Every rank's in_array reduced on ``root`` in rank order; None on other ranks."""
@@ -76,6 +93,7 @@ class HostBackend:
             self._take(f"{tag}/bcast", array)
 
     # ------------------------------------------------------------------ collectives
+    @_validate.reports_invalid
     def all_reduce(self, in_array: Any, out_array: Any, op: str = "sum", stream: Any = None) -> None:
         _validate.all_reduce(in_array, out_array, op)
         tag = self._next()
@@ -84,16 +102,19 @@ class HostBackend:
             _bytes(out_array)[:] = _bytes(acc)
         self._bcast(tag, 0, out_array)
 
+    @_validate.reports_invalid
     def reduce(self, in_array: Any, out_array: Any, root: int = 0, op: str = "sum", stream: Any = None) -> None:
         root = _validate.reduce(in_array, out_array, root, op, self.rank, self.world_size)
         acc = self._reduce_to(self._next(), root, in_array, op)
         if acc is not None:
             _bytes(out_array)[:] = _bytes(acc)
 
+    @_validate.reports_invalid
     def broadcast(self, in_out_array: Any, root: int = 0, stream: Any = None) -> None:
         root = _validate.broadcast(in_out_array, root, self.world_size)
         self._bcast(self._next(), root, in_out_array)
 
+    @_validate.reports_invalid
     def reduce_scatter(self, in_array: Any, out_array: Any, count: int, op: str = "sum", stream: Any = None) -> None:
         count = _validate.reduce_scatter(in_array, out_array, count, op, self.world_size)
         tag = self._next()
@@ -106,6 +127,7 @@ class HostBackend:
         else:
             self._take(f"{tag}/part/0>{self.rank}", out_array)
 
+    @_validate.reports_invalid
     def all_gather(self, in_array: Any, out_array: Any, count: int, stream: Any = None) -> None:
         count = _validate.all_gather(in_array, out_array, count, self.world_size)
         tag = self._next()
@@ -114,21 +136,24 @@ class HostBackend:
         if self.rank == 0:
             out_flat[:width] = _bytes(in_array)
             for src in range(1, self.world_size):
-                self._client.take(f"{tag}/{src}>0", out=out_flat[src * width : (src + 1) * width])
+                self._take_bytes(f"{tag}/{src}>0", out_flat[src * width : (src + 1) * width])
         else:
             self._put(f"{tag}/{self.rank}>0", in_array)
         self._bcast(tag, 0, out_array)
 
+    @_validate.reports_invalid
     def send(self, array: Any, peer: int, stream: Any = None) -> None:
         _validate.check_array("send", "array", array)
         peer = _validate.peer("send", peer, self.rank, self.world_size)
         self._put(self._p2p_key(self.rank, peer), array)
 
+    @_validate.reports_invalid
     def recv(self, out_array: Any, peer: int, stream: Any = None) -> None:
         _validate.check_array("recv", "out_array", out_array)
         peer = _validate.peer("recv", peer, self.rank, self.world_size)
         self._take(self._p2p_key(peer, self.rank), out_array)
 
+    @_validate.reports_invalid
     def send_recv(self, in_array: Any, out_array: Any, peer: int, stream: Any = None) -> None:
         peer = _validate.send_recv(in_array, out_array, peer, self.rank, self.world_size)
         if peer == self.rank:
@@ -143,6 +168,7 @@ class HostBackend:
         self._p2p[(src, dst)] = n
         return f"{self.name}/p2p/{src}>{dst}/{n}"
 
+    @_validate.reports_invalid
     def scatter(self, in_array: Any, out_array: Any, root: int = 0, stream: Any = None) -> None:
         root = _validate.scatter(in_array, out_array, root, self.rank, self.world_size)
         tag = self._next()
@@ -154,6 +180,7 @@ class HostBackend:
         else:
             self._take(f"{tag}/{root}>{self.rank}", out_array)
 
+    @_validate.reports_invalid
     def gather(self, in_array: Any, out_array: Any, root: int = 0, stream: Any = None) -> None:
         root = _validate.gather(in_array, out_array, root, self.rank, self.world_size)
         tag = self._next()
@@ -165,6 +192,7 @@ class HostBackend:
         else:
             self._put(f"{tag}/{self.rank}>{root}", in_array)
 
+    @_validate.reports_invalid
     def all_to_all(self, in_array: Any, out_array: Any, stream: Any = None) -> None:
         _validate.all_to_all(in_array, out_array, self.world_size)
         tag = self._next()
@@ -184,8 +212,10 @@ class HostBackend:
         self.all_gather(mine, out, len(values))
         return out.reshape(self.world_size, len(values)).tolist()
 
-    def abort(self) -> None:
-        """Nothing runs on a device; pending calls end when the coordinator reports the failure."""
+    def abort(self, error: Exception | None = None) -> None:
+        """Nothing runs on a device; pending calls end when the coordinator reports the failure,
+        and then raise ``error`` (the cause) rather than what they saw."""
+        self._failure = error
 
     def destroy(self) -> None:
         """Nothing to free."""

@@ -8,6 +8,7 @@ CUDA graph. Invalid calls fall to the shared checks in ``_validate`` for the err
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from gridcomm import _validate
@@ -73,6 +74,8 @@ class NcclBackend:
     """One rank's NCCL communicator. Built by the communicator after the rendezvous."""
 
     kind = "nccl"
+    #: Called with an ArgumentError before it propagates (set by the communicator).
+    on_invalid: Callable[[Exception], None] | None = None
 
     def __init__(self, world_size: int, rank: int, unique_id: bytes) -> None:
         cupy, nccl = _load()
@@ -144,47 +147,59 @@ class NcclBackend:
         except (KeyError, AttributeError, TypeError):
             fast = False
         if not fast:
-            _validate.all_reduce(in_array, out_array, op)
-            nccl_type, count = self._typed(in_array, "all_reduce", "in_array")
+            try:
+                _validate.all_reduce(in_array, out_array, op)
+                nccl_type, count = self._typed(in_array, "all_reduce", "in_array")
+            except ArgumentError as exc:
+                if self.on_invalid is not None:
+                    self.on_invalid(exc)
+                raise
             size, mult, code = count, 1, self._ops[op]
         self._comm.allReduce(in_array.data.ptr, out_array.data.ptr, size * mult, nccl_type, code,
                              self._current_stream().ptr if stream is None else stream.ptr)
 
+    @_validate.reports_invalid
     def reduce(self, in_array: Any, out_array: Any, root: int = 0, op: str = "sum", stream: Any = None) -> None:
         root = _validate.reduce(in_array, out_array, root, op, self.rank, self.world_size)
         nccl_type, count = self._typed(in_array, "reduce", "in_array")
         out_ptr = out_array.data.ptr if self.rank == root else in_array.data.ptr
         self._comm.reduce(in_array.data.ptr, out_ptr, count, nccl_type, self._ops[op], root, self._stream(stream))
 
+    @_validate.reports_invalid
     def broadcast(self, in_out_array: Any, root: int = 0, stream: Any = None) -> None:
         root = _validate.broadcast(in_out_array, root, self.world_size)
         nccl_type, count = self._typed(in_out_array, "broadcast", "in_out_array")
         ptr = in_out_array.data.ptr
         self._comm.broadcast(ptr, ptr, count, nccl_type, root, self._stream(stream))
 
+    @_validate.reports_invalid
     def reduce_scatter(self, in_array: Any, out_array: Any, count: int, op: str = "sum", stream: Any = None) -> None:
         count = _validate.reduce_scatter(in_array, out_array, count, op, self.world_size)
         nccl_type, mult = self._dtypes[in_array.dtype]
         self._comm.reduceScatter(in_array.data.ptr, out_array.data.ptr, count * mult, nccl_type, self._ops[op],
                                  self._stream(stream))
 
+    @_validate.reports_invalid
     def all_gather(self, in_array: Any, out_array: Any, count: int, stream: Any = None) -> None:
         count = _validate.all_gather(in_array, out_array, count, self.world_size)
         nccl_type, mult = self._dtypes[in_array.dtype]
         self._comm.allGather(in_array.data.ptr, out_array.data.ptr, count * mult, nccl_type, self._stream(stream))
 
+    @_validate.reports_invalid
     def send(self, array: Any, peer: int, stream: Any = None) -> None:
         _validate.check_array("send", "array", array)
         peer = _validate.peer("send", peer, self.rank, self.world_size)
         nccl_type, count = self._typed(array, "send", "array")
         self._comm.send(array.data.ptr, count, nccl_type, peer, self._stream(stream))
 
+    @_validate.reports_invalid
     def recv(self, out_array: Any, peer: int, stream: Any = None) -> None:
         _validate.check_array("recv", "out_array", out_array)
         peer = _validate.peer("recv", peer, self.rank, self.world_size)
         nccl_type, count = self._typed(out_array, "recv", "out_array")
         self._comm.recv(out_array.data.ptr, count, nccl_type, peer, self._stream(stream))
 
+    @_validate.reports_invalid
     def send_recv(self, in_array: Any, out_array: Any, peer: int, stream: Any = None) -> None:
         peer = _validate.send_recv(in_array, out_array, peer, self.rank, self.world_size)
         s = self._stream(stream)
@@ -198,6 +213,7 @@ class NcclBackend:
         finally:
             nccl.groupEnd()
 
+    @_validate.reports_invalid
     def scatter(self, in_array: Any, out_array: Any, root: int = 0, stream: Any = None) -> None:
         root = _validate.scatter(in_array, out_array, root, self.rank, self.world_size)
         s = self._stream(stream)
@@ -213,6 +229,7 @@ class NcclBackend:
         finally:
             nccl.groupEnd()
 
+    @_validate.reports_invalid
     def gather(self, in_array: Any, out_array: Any, root: int = 0, stream: Any = None) -> None:
         root = _validate.gather(in_array, out_array, root, self.rank, self.world_size)
         s = self._stream(stream)
@@ -227,6 +244,7 @@ class NcclBackend:
         finally:
             nccl.groupEnd()
 
+    @_validate.reports_invalid
     def all_to_all(self, in_array: Any, out_array: Any, stream: Any = None) -> None:
         _validate.all_to_all(in_array, out_array, self.world_size)
         s = self._stream(stream)
@@ -270,9 +288,9 @@ class NcclBackend:
     def synchronize(self) -> None:
         self._current_stream().synchronize()
 
-    def abort(self) -> None:
+    def abort(self, error: Exception | None = None) -> None:
         """ncclCommAbort: releases a collective spinning on the GPU (callable from another thread)."""
-        comm = self._comm
+        comm, self._comm = self._comm, None
         if comm is not None:
             comm.abort()
 

@@ -47,6 +47,9 @@ class Member:
     #: Calls of this member in flight; a member with none and a stale last_seen may be replaced
     #: before the rendezvous completes (its process died while waiting to join).
     active_calls: int = 0
+    #: When the member's watcher last sent a heartbeat (None: it never did, so liveness is not
+    #: tracked for it, e.g. a bare CoordinatorClient).
+    last_heartbeat: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,12 +362,21 @@ class JobState:
         if member is not None:
             member.last_seen = now
 
+    def heartbeat(self, rank: int, now: float) -> None:
+        member = self.members[rank]
+        member.last_heartbeat = now
+        member.last_seen = now
+
     def expired(self, now: float, timeout_s: float) -> list[int]:
-        """Ranks that joined, have not left or failed, and were not heard from within timeout_s."""
+        """Ranks that heartbeat, have not left or failed, and sent none within timeout_s.
+
+        Calls in flight do not count as signs of life: a silently partitioned rank's barrier
+        call stays open on this side until TCP gives up, long after the liveness bound.
+        """
         return [
             m.rank
             for m in self.members.values()
-            if m.state is MemberState.JOINED and m.active_calls == 0 and now - m.last_seen > timeout_s
+            if m.state is MemberState.JOINED and m.last_heartbeat is not None and now - m.last_heartbeat > timeout_s
         ]
 
 

@@ -7,6 +7,7 @@ live in :mod:`gridcomm._rendezvous`; this module only waits, wakes and translate
 from __future__ import annotations
 
 import asyncio
+import atexit
 import hmac
 import logging
 import socket
@@ -172,19 +173,27 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         wait_s: float,
         context: grpc.aio.ServicerContext,
         what: str,
+        *,
+        fail_fast: bool = True,
     ) -> bool:
-        """Waits until ``done()``, a failure, or the bounded wait ends; returns ``done()``."""
+        """Waits until ``done()``, a failure (raised when ``fail_fast``), or the bounded wait
+        ends; returns ``done()``."""
         remaining_call = context.time_remaining()
-        budget = wait_s
+        # Why: wait_s comes off the wire; NaN, negative or absurd values must not hang or crash.
+        budget = wait_s if wait_s == wait_s and wait_s > 0 else 0.0
+        budget = min(budget, self._owner.max_wait_s)
         if remaining_call is not None:
             budget = min(budget, remaining_call - _ANSWER_MARGIN_S)
         deadline = self._loop.time() + max(0.0, budget)
         while True:
-            self._state.check_not_failed(what)
-            if self._owner._closing:
-                raise _Abort(grpc.StatusCode.UNAVAILABLE, f"{what}: the coordinator is shutting down.")
+            # Why done() first: what already completed (a message delivered, a barrier passed)
+            # is still handed out after a failure; only waiting is refused.
             if done():
                 return True
+            if fail_fast:
+                self._state.check_not_failed(what)
+            if self._owner._closing:
+                raise _Abort(grpc.StatusCode.UNAVAILABLE, f"{what}: the coordinator is shutting down.")
             remaining = deadline - self._loop.time()
             if remaining <= 0:
                 return False
@@ -323,8 +332,43 @@ class _Servicer(pb_grpc.CoordinatorServicer):
 
     @_handler
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
-        self._caller(request.caller, "heartbeat")
-        return pb.HeartbeatResponse(failures=[_failure_pb(f) for f in self._state.failures])
+        """Long-poll: answered after wait_s or as soon as any rank fails, with every failure."""
+        state = self._state
+        member = self._caller(request.caller, "heartbeat")
+        state.heartbeat(member.rank, self._now())
+        beat = member.last_heartbeat
+        try:
+            await self._wait(("failure",), lambda: state.failed, min(request.wait_s, self._owner.heartbeat_timeout_s),
+                             context, "heartbeat", fail_fast=False)
+        except asyncio.CancelledError:
+            # Why: the call ended without an answer: the caller's process died or its network
+            # went away (or it merely re-dials). Give it a moment to heartbeat again, then fail it.
+            self._loop.call_later(self._owner.connection_grace_s, self._check_lost, member, beat)
+            raise
+        return pb.HeartbeatResponse(failures=[_failure_pb(f) for f in state.failures])
+
+    def _check_lost(self, member: Any, beat: float | None) -> None:
+        if member.state is MemberState.JOINED and member.last_heartbeat == beat \
+                and self._state.members.get(member.rank) is member:
+            self._fail(member.rank, f"rank {member.rank} on {member.hostname or '?'} lost its connection to the "
+                       "coordinator without leaving (process killed, crashed, or network cut)")
+
+    def _fail(self, rank: int, reason: str) -> None:
+        failure = self._state.fail(rank, reason, -1, self._now())
+        if failure is not None:
+            log.error("coordinator: %s", reason)
+            self._on_failure()
+
+    async def watch_liveness(self) -> None:
+        """Marks failed every heartbeating rank silent for longer than the heartbeat timeout."""
+        timeout = self._owner.heartbeat_timeout_s
+        period = max(0.05, min(1.0, timeout / 4))
+        while not self._owner._closing:
+            await asyncio.sleep(period)
+            for rank in self._state.expired(self._now(), timeout):
+                member = self._state.members[rank]
+                self._fail(rank, f"rank {rank} on {member.hostname or '?'} sent no heartbeat for {timeout:g} s "
+                           "(hung, partitioned, or overloaded)")
 
     @_handler
     async def ReportFailure(
@@ -495,6 +539,8 @@ class Coordinator:
         job_id: str | None = None,
         heartbeat_timeout_s: float | None = None,
         limits: Limits | None = None,
+        tls: _config.TlsFiles | None = None,
+        health_port: int | None = None,
     ) -> None:
         self.world_size = _config.world_size(world_size)
         self.bind = _config.validate_host("bind", bind)
@@ -504,6 +550,12 @@ class Coordinator:
         self.heartbeat_timeout_s = _config.heartbeat_timeout_s(heartbeat_timeout_s)
         #: Bound on waits the server makes on its own behalf (room in the mailbox).
         self.timeout_s = _config.timeout_s()
+        #: At interpreter exit without stop(), how long to keep serving for ranks still joined.
+        self.exit_grace_s = min(30.0, 2 * self.heartbeat_timeout_s)
+        #: No single long-poll is held longer than this, whatever wait_s a request asks for.
+        self.max_wait_s = 3600.0
+        #: After a heartbeat call drops without an answer, how long the rank has to heartbeat again.
+        self.connection_grace_s = min(2.0, self.heartbeat_timeout_s / 2)
         self.state = JobState(self.world_size, self.job_id, now=time.monotonic(), limits=limits)
         self._port: int | None = None
         self._thread: threading.Thread | None = None
@@ -517,6 +569,12 @@ class Coordinator:
         self._health: Any = None
         self.serving = False
         self._stopped = threading.Event()
+        self.tls = tls
+        if tls is not None and (tls.cert is None or tls.key is None):
+            raise ConfigError("a TLS coordinator needs GRIDCOMM_TLS_CERT and GRIDCOMM_TLS_KEY (its certificate and key).")
+        self._health_port_requested = health_port
+        #: The plaintext grpc.health.v1 port (health only; kubelet's probes cannot speak TLS).
+        self.health_port: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -542,6 +600,10 @@ class Coordinator:
             )
         self._thread = threading.Thread(target=self._run, name="gridcomm-coordinator", daemon=True)
         self._thread.start()
+        # Why: a process that exits without stop() would otherwise freeze this daemon thread
+        # mid-serve at interpreter shutdown, leaving ranks connected to a server that never
+        # answers; at exit we stop properly, after a bounded wait for the ranks to leave or fail.
+        atexit.register(self._stop_at_exit)
         if not self._ready.wait(timeout_s):
             raise CoordinatorUnavailable(f"the coordinator did not start within {timeout_s:.1f} s.")
         if self._start_error is not None:
@@ -574,8 +636,16 @@ class Coordinator:
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         target = _config.format_target(self.bind, self._requested_port)
+        health_server = None
         try:
-            port = server.add_insecure_port(target)
+            if self.tls is not None:
+                assert self.tls.cert is not None and self.tls.key is not None
+                credentials = grpc.ssl_server_credentials(
+                    [(self.tls.key, self.tls.cert)], root_certificates=self.tls.ca,
+                    require_client_auth=self.tls.require_client_cert)
+                port = server.add_secure_port(target, credentials)
+            else:
+                port = server.add_insecure_port(target)
         except RuntimeError as exc:
             raise CoordinatorUnavailable(
                 f"the coordinator cannot listen on {target}: {exc}; is the port in use? choose another "
@@ -587,17 +657,32 @@ class Coordinator:
                 "GRIDCOMM_PORT or port=0."
             )
         self._port = port
+        if self._health_port_requested is not None:
+            health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, health_server)
+            health_target = _config.format_target(self.bind, self._health_port_requested)
+            try:
+                self.health_port = health_server.add_insecure_port(health_target)
+            except RuntimeError:
+                self.health_port = 0
+            if not self.health_port:
+                raise CoordinatorUnavailable(f"the health port {health_target} cannot be bound; is it in use?")
+            await health_server.start()
         await server.start()
         await self._set_serving_async(True)
+        liveness = asyncio.ensure_future(self._servicer.watch_liveness())
         log.info("coordinator: serving job %r for %d ranks on %s", self.job_id, self.world_size, target)
         self._ready.set()
         try:
             await self._stop_requested.wait()
         finally:
             self._closing = True
+            liveness.cancel()
             await self._set_serving_async(False)
             self._servicer.wake_all()
             await server.stop(0.5)
+            if health_server is not None:
+                await health_server.stop(0.2)
 
     async def _set_serving_async(self, serving: bool) -> None:
         self.serving = serving
@@ -613,8 +698,12 @@ class Coordinator:
         """Waits until every rank has left (or failed); returns False at the timeout."""
         return self._all_left.wait(timeout_s)
 
+    def _stop_at_exit(self) -> None:
+        self.stop(grace_s=self.exit_grace_s)
+
     def stop(self, grace_s: float = 0.0) -> None:
         """Stops serving, first waiting up to ``grace_s`` for every rank to leave. Idempotent."""
+        atexit.unregister(self._stop_at_exit)
         if self._thread is None or self._loop is None or self._stopped.is_set():
             return
         if grace_s > 0:

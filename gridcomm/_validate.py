@@ -5,9 +5,31 @@ imports neither. Each error names the method, the argument, the value and the ru
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from gridcomm._errors import ArgumentError
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def reports_invalid(method: _F) -> _F:
+    """Backend method decorator: an ArgumentError is passed to the backend's ``on_invalid`` hook
+    before it propagates, since peers may already wait inside the collective (the communicator
+    reports the rank failed, so they get RankFailedError instead of hanging)."""
+
+    @functools.wraps(method)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except ArgumentError as exc:
+            hook = self.on_invalid
+            if hook is not None:
+                hook(exc)
+            raise
+
+    return wrapped  # type: ignore[return-value]
 
 OPS = ("sum", "prod", "min", "max", "avg")
 

@@ -23,6 +23,7 @@ LAYERS = {
     "_proto": 2,
     "_server": 3,
     "_client": 4,
+    "_liveness": 4.5,
     "_validate": 5,
     "_nccl": 5,
     "_host": 5,

@@ -170,8 +170,12 @@ def test_leave_is_not_failure_and_all_left():
     assert not state.failed
 
 
-def test_expired_uses_last_seen_and_ignores_ranks_in_a_call():
-    state = joined(3, now=0.0)
-    state.touch(0, now=8.0)
-    state.members[1].active_calls = 1
-    assert state.expired(now=10.0, timeout_s=5.0) == [2]
+def test_expired_counts_only_heartbeats_of_ranks_that_send_them():
+    state = joined(4, now=0.0)
+    state.heartbeat(0, now=8.0)
+    state.heartbeat(1, now=1.0)
+    state.members[1].active_calls = 1  # an open barrier call is no sign of life
+    state.heartbeat(2, now=1.0)
+    state.leave(2, now=2.0)
+    # Rank 3 never heartbeats (a bare client): liveness is not tracked for it.
+    assert state.expired(now=10.0, timeout_s=5.0) == [1]

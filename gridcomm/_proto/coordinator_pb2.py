@@ -14,15 +14,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!gridcomm/_proto/coordinator.proto\x12\x0bgridcomm.v1\"O\n\x06\x43\x61ller\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x13\n\x0bincarnation\x18\x03 \x01(\x06\x12\x12\n\ngeneration\x18\x04 \x01(\x04\"\x80\x01\n\x06Member\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x06\x12\'\n\x05state\x18\x04 \x01(\x0e\x32\x18.gridcomm.v1.MemberState\x12\x18\n\x10joined_at_unix_s\x18\x05 \x01(\x01\"O\n\x07\x46\x61ilure\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tat_unix_s\x18\x03 \x01(\x01\x12\x13\n\x0breported_by\x18\x04 \x01(\x05\"v\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x13\n\x0bincarnation\x18\x04 \x01(\x06\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x0e\n\x06wait_s\x18\x06 \x01(\x01\"y\n\x0cJoinResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12$\n\x07members\x18\x03 \x03(\x0b\x32\x13.gridcomm.v1.Member\x12\x1b\n\x13heartbeat_timeout_s\x18\x04 \x01(\x01\"M\n\nSetRequest\x12#\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x13.gridcomm.v1.Caller\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\r\n\x05value\x18\x03 \x01(\x0c\"\r\n\x0bSetResponse\"N\n\nGetRequest\x12#\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x13.gridcomm.v1.Caller\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\"\x1c\n\x0bGetResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\"v\n\x0e\x42\x61rrierRequest\x12#\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x13.gridcomm.v1.Caller\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12\x14\n\x0cparticipants\x18\x05 \x03(\x05\"\x1e\n\x0f\x42\x61rrierResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"7\n\x10HeartbeatRequest\x12#\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x13.gridcomm.v1.Caller\";\n\x11HeartbeatResponse\x12&\n\x08\x66\x61ilures\x18\x01 \x03(\x0b\x32\x14.gridcomm.v1.Failure\"K\n\x14ReportFailureRequest\x12#\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x13.gridcomm.v1.Caller\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x17\n\x15ReportFailureResponse\"3\n\x0cLeaveRequest\x12#\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x13.gridcomm.v1.Caller\"\x0f\n\rLeaveResponse\"\x0f\n\rStatusRequest\"k\n\rBarrierStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x15\n\rarrived_ranks\x18\x03 \x03(\x05\x12\x15\n\rmissing_ranks\x18\x04 \x03(\x05\x12\x11\n\twaiting_s\x18\x05 \x01(\x01\"\xfe\x01\n\x0eStatusResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12$\n\x07members\x18\x04 \x03(\x0b\x32\x13.gridcomm.v1.Member\x12\x15\n\rmissing_ranks\x18\x05 \x03(\x05\x12,\n\x08\x62\x61rriers\x18\x06 \x03(\x0b\x32\x1a.gridcomm.v1.BarrierStatus\x12&\n\x08\x66\x61ilures\x18\x07 \x03(\x0b\x32\x14.gridcomm.v1.Failure\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\x0f\n\x07serving\x18\t \x01(\x08\"m\n\x05\x43hunk\x12#\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x13.gridcomm.v1.Caller\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07readers\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\r\n\x0bPutResponse\"O\n\x0bTakeRequest\x12#\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x13.gridcomm.v1.Caller\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01*t\n\x0bMemberState\x12\x1c\n\x18MEMBER_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13MEMBER_STATE_JOINED\x10\x01\x12\x15\n\x11MEMBER_STATE_LEFT\x10\x02\x12\x17\n\x13MEMBER_STATE_FAILED\x10\x03\x32\x9a\x05\n\x0b\x43oordinator\x12;\n\x04Join\x12\x18.gridcomm.v1.JoinRequest\x1a\x19.gridcomm.v1.JoinResponse\x12\x38\n\x03Set\x12\x17.gridcomm.v1.SetRequest\x1a\x18.gridcomm.v1.SetResponse\x12\x38\n\x03Get\x12\x17.gridcomm.v1.GetRequest\x1a\x18.gridcomm.v1.GetResponse\x12\x44\n\x07\x42\x61rrier\x12\x1b.gridcomm.v1.BarrierRequest\x1a\x1c.gridcomm.v1.BarrierResponse\x12J\n\tHeartbeat\x12\x1d.gridcomm.v1.HeartbeatRequest\x1a\x1e.gridcomm.v1.HeartbeatResponse\x12V\n\rReportFailure\x12!.gridcomm.v1.ReportFailureRequest\x1a\".gridcomm.v1.ReportFailureResponse\x12>\n\x05Leave\x12\x19.gridcomm.v1.LeaveRequest\x1a\x1a.gridcomm.v1.LeaveResponse\x12\x41\n\x06Status\x12\x1a.gridcomm.v1.StatusRequest\x1a\x1b.gridcomm.v1.StatusResponse\x12\x35\n\x03Put\x12\x12.gridcomm.v1.Chunk\x1a\x18.gridcomm.v1.PutResponse(\x01\x12\x36\n\x04Take\x12\x18.gridcomm.v1.TakeRequest\x1a\x12.gridcomm.v1.Chunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!gridcomm/_proto/coordinator.proto\x12\x0bgridcomm.v1\"O\n\x06\x43\x61ller\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x13\n\x0bincarnation\x18\x03 \x01(\x06\x12\x12\n\ngeneration\x18\x04 \x01(\x04\"\x80\x01\n\x06Member\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x06\x12\'\n\x05state\x18\x04 \x01(\x0e\x32\x18.gridcomm.v1.MemberState\x12\x18\n\x10joined_at_unix_s\x18\x05 \x01(\x01\"O\n\x07\x46\x61ilure\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tat_unix_s\x18\x03 \x01(\x01\x12\x13\n\x0breported_by\x18\x04 \x01(\x05\"v\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x13\n\x0bincarnation\x18\x04 \x01(\x06\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x0e\n\x06wait_s\x18\x06 \x01(\x01\"y\n\x0cJoinResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12$\n\x07members\x18\x03 \x03(\x0b\x32\x13.gridcomm.v1.Member\x12\x1b\n\x13heartbeat_timeout_s\x18\x04 \x01(\x01\"M\n\nSetRequest\x12#\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x13.gridcomm.v1.Caller\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\r\n\x05value\x18\x03 \x01(\x0c\"\r\n\x0bSetResponse\"N\n\nGetRequest\x12#\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x13.gridcomm.v1.Caller\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\"\x1c\n\x0bGetResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\"v\n\x0e\x42\x61rrierRequest\x12#\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x13.gridcomm.v1.Caller\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12\x14\n\x0cparticipants\x18\x05 \x03(\x05\"\x1e\n\x0f\x42\x61rrierResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"G\n\x10HeartbeatRequest\x12#\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x13.gridcomm.v1.Caller\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\";\n\x11HeartbeatResponse\x12&\n\x08\x66\x61ilures\x18\x01 \x03(\x0b\x32\x14.gridcomm.v1.Failure\"K\n\x14ReportFailureRequest\x12#\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x13.gridcomm.v1.Caller\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x17\n\x15ReportFailureResponse\"3\n\x0cLeaveRequest\x12#\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x13.gridcomm.v1.Caller\"\x0f\n\rLeaveResponse\"\x0f\n\rStatusRequest\"k\n\rBarrierStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x15\n\rarrived_ranks\x18\x03 \x03(\x05\x12\x15\n\rmissing_ranks\x18\x04 \x03(\x05\x12\x11\n\twaiting_s\x18\x05 \x01(\x01\"\xfe\x01\n\x0eStatusResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12$\n\x07members\x18\x04 \x03(\x0b\x32\x13.gridcomm.v1.Member\x12\x15\n\rmissing_ranks\x18\x05 \x03(\x05\x12,\n\x08\x62\x61rriers\x18\x06 \x03(\x0b\x32\x1a.gridcomm.v1.BarrierStatus\x12&\n\x08\x66\x61ilures\x18\x07 \x03(\x0b\x32\x14.gridcomm.v1.Failure\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\x0f\n\x07serving\x18\t \x01(\x08\"m\n\x05\x43hunk\x12#\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x13.gridcomm.v1.Caller\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07readers\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\r\n\x0bPutResponse\"O\n\x0bTakeRequest\x12#\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x13.gridcomm.v1.Caller\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01*t\n\x0bMemberState\x12\x1c\n\x18MEMBER_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13MEMBER_STATE_JOINED\x10\x01\x12\x15\n\x11MEMBER_STATE_LEFT\x10\x02\x12\x17\n\x13MEMBER_STATE_FAILED\x10\x03\x32\x9a\x05\n\x0b\x43oordinator\x12;\n\x04Join\x12\x18.gridcomm.v1.JoinRequest\x1a\x19.gridcomm.v1.JoinResponse\x12\x38\n\x03Set\x12\x17.gridcomm.v1.SetRequest\x1a\x18.gridcomm.v1.SetResponse\x12\x38\n\x03Get\x12\x17.gridcomm.v1.GetRequest\x1a\x18.gridcomm.v1.GetResponse\x12\x44\n\x07\x42\x61rrier\x12\x1b.gridcomm.v1.BarrierRequest\x1a\x1c.gridcomm.v1.BarrierResponse\x12J\n\tHeartbeat\x12\x1d.gridcomm.v1.HeartbeatRequest\x1a\x1e.gridcomm.v1.HeartbeatResponse\x12V\n\rReportFailure\x12!.gridcomm.v1.ReportFailureRequest\x1a\".gridcomm.v1.ReportFailureResponse\x12>\n\x05Leave\x12\x19.gridcomm.v1.LeaveRequest\x1a\x1a.gridcomm.v1.LeaveResponse\x12\x41\n\x06Status\x12\x1a.gridcomm.v1.StatusRequest\x1a\x1b.gridcomm.v1.StatusResponse\x12\x35\n\x03Put\x12\x12.gridcomm.v1.Chunk\x1a\x18.gridcomm.v1.PutResponse(\x01\x12\x36\n\x04Take\x12\x18.gridcomm.v1.TakeRequest\x1a\x12.gridcomm.v1.Chunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gridcomm._proto.coordinator_pb2', _globals)
 if _descriptor._USE_C_DESCRIPTORS == False:
   DESCRIPTOR._options = None
-  _globals['_MEMBERSTATE']._serialized_start=1822
-  _globals['_MEMBERSTATE']._serialized_end=1938
+  _globals['_MEMBERSTATE']._serialized_start=1838
+  _globals['_MEMBERSTATE']._serialized_end=1954
   _globals['_CALLER']._serialized_start=50
   _globals['_CALLER']._serialized_end=129
   _globals['_MEMBER']._serialized_start=132
@@ -46,29 +46,29 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['_BARRIERRESPONSE']._serialized_start=910
   _globals['_BARRIERRESPONSE']._serialized_end=940
   _globals['_HEARTBEATREQUEST']._serialized_start=942
-  _globals['_HEARTBEATREQUEST']._serialized_end=997
-  _globals['_HEARTBEATRESPONSE']._serialized_start=999
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1058
-  _globals['_REPORTFAILUREREQUEST']._serialized_start=1060
-  _globals['_REPORTFAILUREREQUEST']._serialized_end=1135
-  _globals['_REPORTFAILURERESPONSE']._serialized_start=1137
-  _globals['_REPORTFAILURERESPONSE']._serialized_end=1160
-  _globals['_LEAVEREQUEST']._serialized_start=1162
-  _globals['_LEAVEREQUEST']._serialized_end=1213
-  _globals['_LEAVERESPONSE']._serialized_start=1215
-  _globals['_LEAVERESPONSE']._serialized_end=1230
-  _globals['_STATUSREQUEST']._serialized_start=1232
-  _globals['_STATUSREQUEST']._serialized_end=1247
-  _globals['_BARRIERSTATUS']._serialized_start=1249
-  _globals['_BARRIERSTATUS']._serialized_end=1356
-  _globals['_STATUSRESPONSE']._serialized_start=1359
-  _globals['_STATUSRESPONSE']._serialized_end=1613
-  _globals['_CHUNK']._serialized_start=1615
-  _globals['_CHUNK']._serialized_end=1724
-  _globals['_PUTRESPONSE']._serialized_start=1726
-  _globals['_PUTRESPONSE']._serialized_end=1739
-  _globals['_TAKEREQUEST']._serialized_start=1741
-  _globals['_TAKEREQUEST']._serialized_end=1820
-  _globals['_COORDINATOR']._serialized_start=1941
-  _globals['_COORDINATOR']._serialized_end=2607
+  _globals['_HEARTBEATREQUEST']._serialized_end=1013
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1015
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1074
+  _globals['_REPORTFAILUREREQUEST']._serialized_start=1076
+  _globals['_REPORTFAILUREREQUEST']._serialized_end=1151
+  _globals['_REPORTFAILURERESPONSE']._serialized_start=1153
+  _globals['_REPORTFAILURERESPONSE']._serialized_end=1176
+  _globals['_LEAVEREQUEST']._serialized_start=1178
+  _globals['_LEAVEREQUEST']._serialized_end=1229
+  _globals['_LEAVERESPONSE']._serialized_start=1231
+  _globals['_LEAVERESPONSE']._serialized_end=1246
+  _globals['_STATUSREQUEST']._serialized_start=1248
+  _globals['_STATUSREQUEST']._serialized_end=1263
+  _globals['_BARRIERSTATUS']._serialized_start=1265
+  _globals['_BARRIERSTATUS']._serialized_end=1372
+  _globals['_STATUSRESPONSE']._serialized_start=1375
+  _globals['_STATUSRESPONSE']._serialized_end=1629
+  _globals['_CHUNK']._serialized_start=1631
+  _globals['_CHUNK']._serialized_end=1740
+  _globals['_PUTRESPONSE']._serialized_start=1742
+  _globals['_PUTRESPONSE']._serialized_end=1755
+  _globals['_TAKEREQUEST']._serialized_start=1757
+  _globals['_TAKEREQUEST']._serialized_end=1836
+  _globals['_COORDINATOR']._serialized_start=1957
+  _globals['_COORDINATOR']._serialized_end=2623
 # @@protoc_insertion_point(module_scope)

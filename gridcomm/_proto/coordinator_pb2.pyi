@@ -134,10 +134,12 @@ class BarrierResponse(_message.Message):
     def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("caller",)
+    __slots__ = ("caller", "wait_s")
     CALLER_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ...) -> None: ...
+    wait_s: float
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("failures",)

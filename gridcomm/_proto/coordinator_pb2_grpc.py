@@ -97,7 +97,9 @@ class CoordinatorServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Liveness: a rank calls this at least every heartbeat interval; the answer lists known failures.
+        """Liveness: a rank's watcher long-polls this; it is answered after wait_s, or at once when a
+        rank fails, with every known failure. A rank that sent one and then goes silent for the
+        heartbeat timeout, or whose connection drops without Leave, is marked failed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,229 @@
+"""Liveness: one background thread per process, whatever the number of communicators.
+
+The thread runs an asyncio loop that hosts, for every communicator of this process, a watcher
+that long-polls the coordinator's Heartbeat (so the coordinator knows the rank is alive, and the
+rank learns of any failure at once), and the per-rank grpc.health.v1 server kubelet probes.
+When a watcher learns that a rank failed, or cannot reach the coordinator for the heartbeat
+timeout, it calls the communicator's failure handler from this thread (which aborts NCCL work
+that may be spinning on the GPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from gridcomm import _config
+from gridcomm._client import channel_credentials, secure_options, translate
+from gridcomm._errors import CoordinatorUnavailable, GridcommError, RankFailedError
+from gridcomm._proto import coordinator_pb2 as pb
+from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from gridcomm._server import SERVICE_NAME
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _runtime() -> asyncio.AbstractEventLoop:
+    """The process-wide loop, started on first use (never at import)."""
+    global _loop
+    with _lock:
+        if _loop is None or _loop.is_closed():
+            loop = asyncio.new_event_loop()
+            ready = threading.Event()
+
+            def run() -> None:
+                asyncio.set_event_loop(loop)
+                loop.call_soon(ready.set)
+                loop.run_forever()
+
+            threading.Thread(target=run, name="gridcomm-liveness", daemon=True).start()
+            if not ready.wait(10.0):
+                raise GridcommError("the gridcomm liveness thread did not start within 10 s.")
+            _loop = loop
+            atexit.register(_shutdown)
+        return _loop
+
+
+def _shutdown() -> None:
+    """At exit: end watchers and health servers properly (bounded), so the interpreter does not
+    freeze this thread mid-call with connections still open."""
+    loop = _loop
+    if loop is None or loop.is_closed():
+        return
+
+    async def cancel_all() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
+
+    try:
+        asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(3.0)
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def submit(coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+    return asyncio.run_coroutine_threadsafe(coro, _runtime())
+
+
+def run_soon(coro: Coroutine[Any, Any, Any], timeout_s: float) -> None:
+    """Runs ``coro`` on the liveness loop: waits (bounded) from other threads, only schedules
+    from the loop's own thread (a failure handler), where waiting would deadlock."""
+    loop = _runtime()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        asyncio.ensure_future(coro)
+    else:
+        asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
+
+
+def failure_error(failure: pb.Failure, observer: int) -> RankFailedError:
+    when = time.strftime("%H:%M:%S", time.localtime(failure.at_unix_s)) if failure.at_unix_s else "?"
+    return RankFailedError(f"rank {failure.rank} failed at {when}: {failure.reason} (seen by rank {observer})",
+                           rank=failure.rank, reason=failure.reason)
+
+
+class Watcher:
+    """Heartbeats for one rank and reports the first failure to ``on_failure`` (once)."""
+
+    def __init__(self, target: str, tls: _config.TlsFiles | None, metadata: tuple[tuple[str, str], ...],
+                 caller: pb.Caller, heartbeat_timeout_s: float,
+                 on_failure: Callable[[GridcommError], None]) -> None:
+        self._target = target
+        self._tls = tls
+        self._metadata = metadata
+        self._caller = caller
+        self._timeout_s = heartbeat_timeout_s
+        self._on_failure = on_failure
+        self._task: asyncio.Task[None] | None = None
+        self._stopped = False
+
+    def start(self) -> None:
+        loop = _runtime()
+
+        async def begin() -> None:
+            self._task = asyncio.ensure_future(self._run())
+
+        asyncio.run_coroutine_threadsafe(begin(), loop).result(10.0)
+
+    def stop(self) -> None:
+        """Stops heartbeating (before a clean leave). Idempotent; bounded."""
+        self._stopped = True
+        task = self._task
+        if task is not None and _loop is not None and not _loop.is_closed():
+            _loop.call_soon_threadsafe(task.cancel)
+
+    def _report(self, error: GridcommError) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self._on_failure(error)
+        except Exception:  # noqa: BLE001 - a handler bug must not kill the liveness thread
+            log.exception("rank %d: the failure handler raised", self._caller.rank)
+
+    async def _run(self) -> None:
+        options = secure_options(self._tls)
+        if self._tls is None:
+            channel = grpc.aio.insecure_channel(self._target, options=options)
+        else:
+            channel = grpc.aio.secure_channel(self._target, channel_credentials(self._tls), options=options)
+        stub = pb_grpc.CoordinatorStub(channel)
+        interval = max(0.05, self._timeout_s / 3)
+        last_ok = time.monotonic()
+        backoff = 0.05
+        try:
+            while not self._stopped:
+                request = pb.HeartbeatRequest(caller=self._caller, wait_s=interval)
+                try:
+                    reply = await stub.Heartbeat(request, timeout=interval + 1.0, metadata=self._metadata)
+                except grpc.aio.AioRpcError as exc:
+                    code = exc.code()
+                    if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    grpc.StatusCode.CANCELLED):
+                        self._report(translate(exc, f"rank {self._caller.rank}: heartbeat", self._target))
+                        return
+                    silent = time.monotonic() - last_ok
+                    if silent > self._timeout_s:
+                        self._report(CoordinatorUnavailable(
+                            f"rank {self._caller.rank}: the coordinator at {self._target} has not answered for "
+                            f"{silent:.1f} s (heartbeat timeout {self._timeout_s:g} s): {code.name}: {exc.details()}"))
+                        return
+                    # Jittered, bounded backoff; the loop ends at the heartbeat timeout above.
+                    await asyncio.sleep(backoff * (0.5 + random.random()))
+                    backoff = min(1.0, backoff * 2)
+                    continue
+                last_ok = time.monotonic()
+                backoff = 0.05
+                if reply.failures:
+                    self._report(failure_error(reply.failures[0], self._caller.rank))
+                    return
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await channel.close()
+
+
+class RankHealth:
+    """grpc.health.v1 for one rank on a plaintext port (GRIDCOMM_HEALTH_PORT), for kubelet.
+
+    ``""`` (liveness) is SERVING from start until this rank or job fails; ``gridcomm.v1.Coordinator``
+    (readiness) is SERVING once the communicator is up, NOT_SERVING after a failure or abort.
+    """
+
+    def __init__(self, port: int, bind: str = "0.0.0.0") -> None:
+        self._port = port
+        self._bind = bind
+        self._server: grpc.aio.Server | None = None
+        self._health: Any = None
+        self.port = 0
+
+    def start(self) -> RankHealth:
+        async def begin() -> int:
+            server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            self._health = health.aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+            port = server.add_insecure_port(_config.format_target(self._bind, self._port))
+            if port == 0:
+                raise CoordinatorUnavailable(f"the health port {self._bind}:{self._port} cannot be bound; is it in use?")
+            await server.start()
+            await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+            await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self._server = server
+            return port
+
+        self.port = submit(begin()).result(10.0)
+        return self
+
+    def set(self, live: bool, ready: bool) -> None:
+        async def update() -> None:
+            serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+            await self._health.set("", serving if live else not_serving)
+            await self._health.set(SERVICE_NAME, serving if ready else not_serving)
+
+        if self._health is not None:
+            run_soon(update(), 5.0)
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            run_soon(server.stop(0.2), 5.0)

@@ -1,0 +1,252 @@
+"""Failure semantics over loopback with real processes: every failure becomes, within the
+liveness timeout, a RankFailedError naming the rank on every other rank; clean stops are not
+failures; restarted processes are refused; per-rank health turns NOT_SERVING."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.conftest import RankProcesses, report
+
+HB = 3.0  # heartbeat timeout used in these tests (seconds)
+
+PRELUDE = """
+import os, sys, time, numpy as np, gridcomm
+rank = int(os.environ["GRIDCOMM_RANK"]); world = int(os.environ["GRIDCOMM_WORLD_SIZE"])
+def outcome(exc, t0):
+    print(f"OUTCOME {type(exc).__name__} rank={getattr(exc, 'rank', '')} after={time.monotonic() - t0:.2f} msg={exc}", flush=True)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def env(**extra: str) -> dict[str, str]:
+    base = {"GRIDCOMM_PORT": str(free_port()), "GRIDCOMM_BIND": "127.0.0.1", "GRIDCOMM_BACKEND": "host",
+            "GRIDCOMM_HEARTBEAT_TIMEOUT_S": str(HB), "GRIDCOMM_TIMEOUT_S": "60"}
+    base.update(extra)
+    return base
+
+
+def outcomes(results, ranks) -> dict[int, tuple[str, str, float, str]]:
+    found = {}
+    for rank in ranks:
+        match = re.search(r"OUTCOME (\w+) rank=(\S*) after=([\d.]+) msg=(.*)", results[rank].stdout)
+        assert match, report(results)
+        found[rank] = (match.group(1), match.group(2), float(match.group(3)), match.group(4))
+    return found
+
+
+WAIT_IN_COLLECTIVE = PRELUDE + """
+comm = gridcomm.init_process_group()
+x = np.ones(4)
+comm.all_reduce(x, x)
+t0 = time.monotonic()
+try:
+    comm.barrier("ready")  # every rank is past the warm-up call before the fault
+    print("READY", flush=True)
+    if rank == int(os.environ["VICTIM"]):
+        ACTION
+    comm.all_reduce(x, x)   # the survivors wait here for the victim
+    comm.barrier()
+    print("NO FAILURE", flush=True)
+except gridcomm.GridcommError as exc:
+    outcome(exc, t0)
+    try:
+        comm.all_reduce(x, x)
+    except gridcomm.GridcommError as later:
+        print("LATER", type(later).__name__, flush=True)
+"""
+
+
+def run_fault(action: str, victim: int = 2, world: int = 3, timeout_s: float = 60):
+    code = WAIT_IN_COLLECTIVE.replace("ACTION", action)
+    procs = RankProcesses(code, world, env=env(VICTIM=str(victim)))
+    return procs, procs.wait(timeout_s)
+
+
+@pytest.mark.timeout(90)
+def test_exception_in_user_code_reaches_every_rank():
+    code = PRELUDE + """
+t0 = time.monotonic()
+try:
+    with gridcomm.init_process_group() as comm:
+        x = np.ones(4)
+        if rank == 1:
+            raise ValueError("loss is NaN at step 7")
+        comm.all_reduce(x, x)
+        comm.barrier()
+except ValueError:
+    print("RAISED", flush=True)
+except gridcomm.GridcommError as exc:
+    outcome(exc, t0)
+"""
+    results = RankProcesses(code, 3, env=env()).wait(60)
+    assert "RAISED" in results[1].stdout, report(results)
+    for rank, (kind, failed, after, msg) in outcomes(results, [0, 2]).items():
+        assert kind == "RankFailedError" and failed == "1", report(results)
+        assert "loss is NaN at step 7" in msg and "ValueError" in msg
+        assert after < HB + 2, after
+
+
+@pytest.mark.timeout(90)
+def test_invalid_call_fails_the_rank_instead_of_hanging_its_peers():
+    _, results = run_fault("comm.all_reduce(x, x, op='mean')", victim=1)
+    found = outcomes(results, [0, 1, 2])
+    assert found[1][0] == "ArgumentError" and "op='mean'" in found[1][3]
+    for rank in (0, 2):
+        kind, failed, after, msg = found[rank]
+        assert kind == "RankFailedError" and failed == "1" and "invalid call" in msg, report(results)
+        assert after < HB + 2
+        assert "LATER RankFailedError" in results[rank].stdout
+
+
+@pytest.mark.timeout(90)
+def test_kill_9_during_a_host_collective():
+    _, results = run_fault("os.kill(os.getpid(), 9)", victim=2)
+    assert results[2].returncode == -signal.SIGKILL
+    for rank, (kind, failed, after, msg) in outcomes(results, [0, 1]).items():
+        assert kind == "RankFailedError" and failed == "2", report(results)
+        assert after < HB + 2, after
+        assert "rank 2" in msg
+
+
+@pytest.mark.timeout(90)
+def test_hung_rank_is_detected_by_missing_heartbeats():
+    # SIGSTOP freezes the whole process: its connections stay open, only heartbeats stop.
+    _, results = run_fault("os.kill(os.getpid(), signal.SIGSTOP)".replace("signal.", "__import__('signal')."),
+                           victim=2, timeout_s=40)
+    for rank, (kind, failed, after, msg) in outcomes(results, [0, 1]).items():
+        assert kind == "RankFailedError" and failed == "2", report(results)
+        assert "no heartbeat" in msg
+        assert HB - 0.5 < after < HB + 2, after
+
+
+@pytest.mark.timeout(90)
+def test_coordinator_death_is_reported_on_every_rank():
+    _, results = run_fault("os.kill(os.getpid(), 9)", victim=0)
+    for rank, (kind, failed, after, msg) in outcomes(results, [1, 2]).items():
+        assert kind in ("CoordinatorUnavailable", "RankFailedError"), report(results)
+        assert after < HB + 2, after
+
+
+@pytest.mark.timeout(90)
+def test_clean_stop_is_not_a_failure():
+    code = PRELUDE + """
+with gridcomm.init_process_group() as comm:
+    x = np.ones(4); comm.all_reduce(x, x)
+    if rank == 1:
+        time.sleep(2 * float(os.environ["GRIDCOMM_HEARTBEAT_TIMEOUT_S"]))  # long local work
+    comm.barrier()
+print("CLEAN", flush=True)
+"""
+    results = RankProcesses(code, 3, env=env()).wait(60)
+    for rank in range(3):
+        assert results[rank].returncode == 0 and "CLEAN" in results[rank].stdout, report(results)
+
+
+@pytest.mark.timeout(90)
+def test_restarted_rank_is_refused_and_peers_are_told(coordinator_factory):
+    server = coordinator_factory(2, heartbeat_timeout_s=HB)
+    code = PRELUDE + """
+c = gridcomm.CoordinatorClient("127.0.0.1", int(os.environ["PORT"]), rank, world, timeout_s=10)
+c.join()
+print("JOINED", flush=True)
+if rank == 1:
+    time.sleep(6)  # the old rank 1 never reaches the barrier: rank 0 waits there
+    sys.exit(0)
+t0 = time.monotonic()
+try:
+    c.barrier("after-restart", timeout_s=20)
+except gridcomm.GridcommError as exc:
+    outcome(exc, t0)
+"""
+    first = RankProcesses(code, 2, env={"PORT": str(server.port)})
+    # The same rank 1 again, as a restarted pod would: a new process, a new incarnation.
+    deadline = time.monotonic() + 20
+    while server.state.generation == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    again = RankProcesses(PRELUDE + """
+c = gridcomm.CoordinatorClient("127.0.0.1", int(os.environ["PORT"]), rank, world, timeout_s=10)
+try:
+    c.join()
+except gridcomm.GridcommError as exc:
+    print("REFUSED", type(exc).__name__, exc, flush=True)
+""", 2, env={"PORT": str(server.port)}, ranks=[1])
+    r_again = again.wait(30)
+    r_first = first.wait(30)
+    first.close()
+    assert "REFUSED RankFailedError" in r_again[1].stdout and "restart the whole job" in r_again[1].stdout
+    kind, failed, _, msg = outcomes(r_first, [0])[0]
+    assert kind == "RankFailedError" and failed == "1" and "restarted" in msg, report(r_first)
+
+
+@pytest.mark.timeout(90)
+def test_rank_health_port_turns_not_serving_after_a_failure():
+    health_port = free_port()
+    code = PRELUDE + """
+comm = gridcomm.init_process_group()
+print("READY", flush=True)
+if rank == 0:
+    time.sleep(1.0)
+    comm.abort("test abort")
+    sys.exit(0)
+t0 = time.monotonic()
+try:
+    comm.barrier(timeout_s=30)
+except gridcomm.GridcommError as exc:
+    outcome(exc, t0)
+time.sleep(5)   # keep serving health so the test can probe it
+"""
+    procs = RankProcesses(code, 2, env=env(), per_rank_env={1: {"GRIDCOMM_HEALTH_PORT": str(health_port)}})
+    target = f"127.0.0.1:{health_port}"
+
+    def check(service: str) -> int:
+        with grpc.insecure_channel(target) as channel:
+            return health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=2, wait_for_ready=True).status
+
+    seen_ready = False
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not seen_ready:
+        try:
+            seen_ready = check("gridcomm.v1.Coordinator") == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            pass
+    assert seen_ready, "rank 1's health never reported ready"
+    deadline = time.monotonic() + 15
+    status = None
+    while time.monotonic() < deadline:
+        status = check("")
+        if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+            break
+        time.sleep(0.1)
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert check("gridcomm.v1.Coordinator") == health_pb2.HealthCheckResponse.NOT_SERVING
+    results = procs.wait(30)
+    kind, failed, _, msg = outcomes(results, [1])[1]
+    assert kind == "RankFailedError" and failed == "0" and "test abort" in msg
+
+
+@pytest.mark.timeout(60)
+def test_wrong_token_through_init_process_group():
+    code = PRELUDE + """
+try:
+    gridcomm.init_process_group(token=None if rank == 0 else "wrong")
+except gridcomm.AuthenticationError as exc:
+    print("AUTH", exc, flush=True)
+"""
+    results = RankProcesses(code, 2, env=env(GRIDCOMM_TOKEN="right", GRIDCOMM_TIMEOUT_S="3")).wait(30)
+    assert "AUTH" in results[1].stdout and "token is wrong" in results[1].stdout, report(results)
+    assert "right" not in results[0].stderr.replace("GRIDCOMM_TOKEN", "")  # the coordinator never logs the token
