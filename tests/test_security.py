@@ -1,0 +1,189 @@
+"""Token, TLS and mTLS: happy paths and every wrong-credential path, over real gRPC."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import gridcomm
+from gridcomm import _config
+from tests.conftest import ROOT, RankProcesses, report
+
+pytestmark = pytest.mark.skipif(subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
+                                reason="needs the openssl command to make test certificates")
+
+
+def _openssl(*args: str, cwd: str) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def _ca(d: str, name: str) -> None:
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}",
+             "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=d)
+
+
+def _leaf(d: str, name: str, ca: str, san: str) -> None:
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
+             "-out", f"{name}.csr", cwd=d)
+    with open(os.path.join(d, f"{name}.ext"), "w") as ext:
+        ext.write(f"subjectAltName={san}\n")
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
+             "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.pem", cwd=d)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, str]:
+    d = str(tmp_path_factory.mktemp("pki"))
+    _ca(d, "ca")
+    _ca(d, "rogue-ca")
+    _leaf(d, "server", "ca", "DNS:localhost,IP:127.0.0.1,DNS:job-0.svc")
+    _leaf(d, "client", "ca", "DNS:rank")
+    _leaf(d, "rogue-client", "rogue-ca", "DNS:rank")
+    return {name: os.path.join(d, name) for name in ("ca", "rogue-ca", "server", "client", "rogue-client")}
+
+
+def tls_env(pki: dict[str, str], *, mtls: bool = False, client: str | None = None, ca: str = "ca") -> dict[str, str]:
+    env = {"GRIDCOMM_TLS_CERT": pki["server"] + ".pem", "GRIDCOMM_TLS_KEY": pki["server"] + ".key",
+           "GRIDCOMM_TLS_CA": pki[ca] + ".pem"}
+    if mtls:
+        env["GRIDCOMM_TLS_REQUIRE_CLIENT_CERT"] = "1"
+    if client is not None:
+        env["GRIDCOMM_TLS_CLIENT_CERT"] = pki[client] + ".pem"
+        env["GRIDCOMM_TLS_CLIENT_KEY"] = pki[client] + ".key"
+    return env
+
+
+def server_tls(pki: dict[str, str], mtls: bool = False) -> _config.TlsFiles:
+    files = _config.tls(tls_env(pki, mtls=mtls))
+    assert files is not None
+    return files
+
+
+def client_tls(pki: dict[str, str], **kw) -> _config.TlsFiles:
+    env = tls_env(pki, **kw)
+    del env["GRIDCOMM_TLS_CERT"], env["GRIDCOMM_TLS_KEY"]  # a rank without the server's key
+    files = _config.tls(env)
+    assert files is not None
+    return files
+
+
+def join_one(port: int, tls, **kw) -> int:
+    client = gridcomm.CoordinatorClient("localhost", port, 0, 1, timeout_s=kw.pop("timeout_s", 10.0), tls=tls, **kw)
+    try:
+        generation = client.join()
+        client.set("id", b"\x01" * 128)
+        assert client.get("id") == b"\x01" * 128
+        client.leave()
+        return generation
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(60)
+def test_tls_happy_path(coordinator_factory, pki):
+    server = coordinator_factory(1, tls=server_tls(pki))
+    assert join_one(server.port, client_tls(pki)) == 1
+
+
+@pytest.mark.timeout(60)
+def test_plaintext_client_cannot_talk_to_tls_server(coordinator_factory, pki):
+    server = coordinator_factory(1, tls=server_tls(pki))
+    client = gridcomm.CoordinatorClient("127.0.0.1", server.port, 0, 1, timeout_s=1.5, tls=None)
+    client.tls = None
+    with pytest.raises(gridcomm.CoordinatorUnavailable):
+        client.join()
+    client.close()
+
+
+@pytest.mark.timeout(60)
+def test_client_trusting_another_ca_is_refused(coordinator_factory, pki):
+    server = coordinator_factory(1, tls=server_tls(pki))
+    with pytest.raises(gridcomm.CoordinatorUnavailable):
+        join_one(server.port, client_tls(pki, ca="rogue-ca"), timeout_s=1.5)
+
+
+@pytest.mark.timeout(60)
+def test_mtls_happy_path_and_wrong_client_certificates(coordinator_factory, pki):
+    server = coordinator_factory(1, tls=server_tls(pki, mtls=True))
+    assert join_one(server.port, client_tls(pki, client="client")) == 1
+    with pytest.raises(gridcomm.CoordinatorUnavailable):
+        join_one(server.port, client_tls(pki), timeout_s=1.5)  # no client certificate
+    with pytest.raises(gridcomm.CoordinatorUnavailable):
+        join_one(server.port, client_tls(pki, client="rogue-client"), timeout_s=1.5)
+
+
+@pytest.mark.timeout(60)
+def test_token_on_top_of_tls(coordinator_factory, pki):
+    server = coordinator_factory(1, tls=server_tls(pki), token="t0k")
+    with pytest.raises(gridcomm.AuthenticationError):
+        join_one(server.port, client_tls(pki), token="wrong")
+    assert join_one(server.port, client_tls(pki), token="t0k") == 1
+
+
+@pytest.mark.timeout(60)
+def test_plaintext_health_port_beside_a_tls_main_port(coordinator_factory, pki):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        health_port = sock.getsockname()[1]
+    server = coordinator_factory(1, tls=server_tls(pki), health_port=health_port)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    probe = subprocess.run([sys.executable, "-m", "gridcomm", "probe", f"127.0.0.1:{server.health_port}"],
+                           capture_output=True, text=True, timeout=30, env=env)
+    assert probe.returncode == 0, probe.stderr
+    # The plaintext port carries health only: the coordinator service is not there.
+    import grpc
+
+    from gridcomm._proto import coordinator_pb2 as pb
+    from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.CoordinatorStub(channel).Status(pb.StatusRequest(), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    # And the main port does not answer plaintext health checks.
+    plain = subprocess.run([sys.executable, "-m", "gridcomm", "probe", f"127.0.0.1:{server.port}", "--timeout-s", "1"],
+                           capture_output=True, text=True, timeout=30, env=env)
+    assert plain.returncode != 0
+
+
+@pytest.mark.timeout(90)
+def test_init_process_group_over_mtls_with_token(pki):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = tls_env(pki, mtls=True, client="client")
+    env.update(GRIDCOMM_HOST="localhost", GRIDCOMM_PORT=str(port), GRIDCOMM_BIND="127.0.0.1",
+               GRIDCOMM_BACKEND="host", GRIDCOMM_TOKEN="shared-secret", GRIDCOMM_TIMEOUT_S="30",
+               GRIDCOMM_TLS_SERVER_NAME="localhost")
+    code = """
+import numpy as np, gridcomm
+with gridcomm.init_process_group() as comm:
+    x = np.arange(5, dtype=np.float64) * (comm.rank + 1)
+    comm.all_reduce(x, x)
+    assert (x == np.arange(5) * 3).all(), x
+    comm.barrier()
+print("OK", flush=True)
+"""
+    results = RankProcesses(code, 2, env=env).wait(60)
+    for rank in (0, 1):
+        assert results[rank].returncode == 0 and "OK" in results[rank].stdout, report(results)
+
+
+def test_tls_settings_errors(tmp_path):
+    with pytest.raises(gridcomm.ConfigError, match="GRIDCOMM_TLS_CERT and GRIDCOMM_TLS_KEY"):
+        cert = tmp_path / "c.pem"
+        cert.write_text("x")
+        _config.tls({"GRIDCOMM_TLS_CERT": str(cert)})
+    with pytest.raises(gridcomm.ConfigError, match="cannot be read"):
+        _config.tls({"GRIDCOMM_TLS_CA": str(tmp_path / "missing.pem")})
+    with pytest.raises(gridcomm.ConfigError, match="needs GRIDCOMM_TLS_CA"):
+        _config.tls({"GRIDCOMM_TLS_REQUIRE_CLIENT_CERT": "1", "GRIDCOMM_TLS_CLIENT_CERT": str(cert),
+                     "GRIDCOMM_TLS_CLIENT_KEY": str(cert)})
+    assert _config.tls({}) is None
