@@ -8,8 +8,8 @@ import time
 from gridcomm import _config
 from gridcomm._client import CoordinatorClient
 from gridcomm._comm import Communicator, FailureLatch, build_backend
-from gridcomm._liveness import RankHealth, Watcher
 from gridcomm._errors import ConfigError, GridcommError
+from gridcomm._liveness import RankHealth, Watcher
 from gridcomm._server import Coordinator
 
 log = logging.getLogger(__name__)

@@ -211,6 +211,8 @@ class CoordinatorClient:
         self._channel: grpc.Channel | None = make_channel(self.target, self.tls)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._barrier_seq: dict[str, int] = {}
+        self._caller_key: tuple[str, int, int, int] | None = None
+        self._caller = pb.Caller()
         self._joined = False
         self._left = False
 
@@ -222,7 +224,13 @@ class CoordinatorClient:
 
     @property
     def caller(self) -> pb.Caller:
-        return pb.Caller(job_id=self.job_id, rank=self.rank, incarnation=self.incarnation, generation=self.generation)
+        """This rank's identity on every request after join (rebuilt only when it changes)."""
+        key = (self.job_id, self.rank, self.incarnation, self.generation)
+        if self._caller_key != key:
+            self._caller_key = key
+            self._caller = pb.Caller(job_id=self.job_id, rank=self.rank, incarnation=self.incarnation,
+                                     generation=self.generation)
+        return self._caller
 
     def _call(self, method: Callable[..., _T], request: Any, what: str, timeout_s: float, *, wait_for_ready: bool = False) -> _T:
         if self._channel is None:

@@ -9,13 +9,12 @@ reported failure they are rebound to raise, so no per-call flag check is needed 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
-import threading
-
 from gridcomm._client import CoordinatorClient
-from gridcomm._errors import ArgumentError, CommAborted, ConfigError, GridcommError
+from gridcomm._errors import CommAborted, ConfigError, GridcommError
 from gridcomm._liveness import RankHealth, Watcher
 from gridcomm._server import Coordinator
 

@@ -228,7 +228,7 @@ def coordinator_mode(environ: Mapping[str, str] | None = None) -> str:
 def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         try:
-            value = operator.index(value)  # numpy integers
+            value = operator.index(value)  # type: ignore[arg-type]  # numpy integers
         except TypeError:
             raise ConfigError(f"{name}={value!r} must be an integer.") from None
     return _parse_int(name, str(value), minimum=minimum, maximum=maximum)
@@ -317,5 +317,6 @@ def tls(environ: Mapping[str, str] | None = None) -> TlsFiles | None:
         raise ConfigError("GRIDCOMM_TLS_CLIENT_CERT and GRIDCOMM_TLS_CLIENT_KEY must be set together.")
     if require_flag and loaded["ca"] is None:
         raise ConfigError("GRIDCOMM_TLS_REQUIRE_CLIENT_CERT needs GRIDCOMM_TLS_CA to verify client certificates.")
-    name = _first(env, ("GRIDCOMM_TLS_SERVER_NAME",))
-    return TlsFiles(server_name=None if name is None else name[1], require_client_cert=require_flag, **loaded)
+    server_name = _first(env, ("GRIDCOMM_TLS_SERVER_NAME",))
+    return TlsFiles(server_name=None if server_name is None else server_name[1], require_client_cert=require_flag,
+                    **loaded)

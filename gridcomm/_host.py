@@ -25,7 +25,7 @@ _REDUCE: dict[str, Callable[..., Any]] = {
 def _bytes(array: Any) -> memoryview:
     """The array's memory, in memory order, as a byte view (no copy for contiguous arrays)."""
     flat = np.asarray(array).reshape(-1, order="A")
-    return memoryview(flat).cast("B")
+    return memoryview(flat).cast("B")  # type: ignore[arg-type]
 
 
 class HostBackend:

@@ -97,9 +97,10 @@ def launch(nproc: int, command: Sequence[str], backend: str | None = None,
         while running:
             # Blocks until some child exits (no polling); signals are forwarded meanwhile.
             pid, status = os.wait()
-            rank = by_pid.get(pid)
-            if rank is None or rank not in running:
+            found = by_pid.get(pid)
+            if found is None or found not in running:
                 continue
+            rank = found
             running.discard(rank)
             code = os.waitstatus_to_exitcode(status)
             procs[rank].returncode = code

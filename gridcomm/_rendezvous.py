@@ -108,6 +108,7 @@ class JobState:
         self._kv_bytes = 0
         self.barriers: dict[str, _Barrier] = {}
         self.mailbox = Mailbox(self.limits.max_mailbox_bytes)
+        self.left_count = 0
 
     # ----------------------------------------------------------------- join and identity
     @property
@@ -300,6 +301,8 @@ class JobState:
 
     def barrier_blocker(self, name: str, seq: int) -> Member | None:
         """A member that left cleanly before arriving at ``name``#``seq``: the barrier can never complete."""
+        if not self.left_count:
+            return None  # Why: the common case stays O(1) per arrival, not O(world size).
         for rank in self.barrier_missing(name, seq):
             member = self.members.get(rank)
             if member is not None and member.state is MemberState.LEFT:
@@ -322,6 +325,7 @@ class JobState:
         if member.state is MemberState.JOINED:
             member.state = MemberState.LEFT
             member.last_seen = now
+            self.left_count += 1
 
     def all_left(self) -> bool:
         """True when every rank has left or failed (rank 0 may stop serving)."""

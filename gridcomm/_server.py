@@ -23,7 +23,7 @@ from gridcomm import _config
 from gridcomm._errors import ConfigError, CoordinatorUnavailable
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
-from gridcomm._rendezvous import JobState, Limits, MemberState, StateError
+from gridcomm._rendezvous import JobState, Limits, Member, MemberState, StateError
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,8 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         return pb.JoinResponse(
             generation=state.generation,
             world_size=state.world_size,
-            members=[_member_pb(m) for m in state.members.values()] if state.world_size <= 4096 else [],
+            # Members are not sent: O(world size) per join is O(world size^2) per rendezvous;
+            # Status lists them for who needs them.
             heartbeat_timeout_s=self._owner.heartbeat_timeout_s,
         )
 
@@ -347,7 +348,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
             raise
         return pb.HeartbeatResponse(failures=[_failure_pb(f) for f in state.failures])
 
-    def _check_lost(self, member: Any, beat: float | None) -> None:
+    def _check_lost(self, member: Member, beat: float | None) -> None:
         if member.state is MemberState.JOINED and member.last_heartbeat == beat \
                 and self._state.members.get(member.rank) is member:
             self._fail(member.rank, f"rank {member.rank} on {member.hostname or '?'} lost its connection to the "
@@ -500,7 +501,7 @@ def _member_pb(member: Any) -> pb.Member:
         rank=member.rank,
         hostname=member.hostname,
         incarnation=member.incarnation,
-        state=int(member.state),
+        state=int(member.state),  # type: ignore[arg-type]
         joined_at_unix_s=time.time() - (time.monotonic() - member.joined_at),
     )
 

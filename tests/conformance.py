@@ -1,3 +1,4 @@
+# ruff: noqa: B023 - each @case body runs at once, inside its loop iteration
 """The communicator conformance worker: one OS process per rank, any backend.
 
 Runs every method x every dtype x every valid op on fresh random data and checks the result

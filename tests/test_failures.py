@@ -4,7 +4,6 @@ failures; restarted processes are refused; per-rank health turns NOT_SERVING."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
@@ -94,7 +93,7 @@ except gridcomm.GridcommError as exc:
 """
     results = RankProcesses(code, 3, env=env()).wait(60)
     assert "RAISED" in results[1].stdout, report(results)
-    for rank, (kind, failed, after, msg) in outcomes(results, [0, 2]).items():
+    for _rank, (kind, failed, after, msg) in outcomes(results, [0, 2]).items():
         assert kind == "RankFailedError" and failed == "1", report(results)
         assert "loss is NaN at step 7" in msg and "ValueError" in msg
         assert after < HB + 2, after
@@ -116,7 +115,7 @@ def test_invalid_call_fails_the_rank_instead_of_hanging_its_peers():
 def test_kill_9_during_a_host_collective():
     _, results = run_fault("os.kill(os.getpid(), 9)", victim=2)
     assert results[2].returncode == -signal.SIGKILL
-    for rank, (kind, failed, after, msg) in outcomes(results, [0, 1]).items():
+    for _rank, (kind, failed, after, msg) in outcomes(results, [0, 1]).items():
         assert kind == "RankFailedError" and failed == "2", report(results)
         assert after < HB + 2, after
         assert "rank 2" in msg
@@ -127,7 +126,7 @@ def test_hung_rank_is_detected_by_missing_heartbeats():
     # SIGSTOP freezes the whole process: its connections stay open, only heartbeats stop.
     _, results = run_fault("os.kill(os.getpid(), signal.SIGSTOP)".replace("signal.", "__import__('signal')."),
                            victim=2, timeout_s=40)
-    for rank, (kind, failed, after, msg) in outcomes(results, [0, 1]).items():
+    for _rank, (kind, failed, after, msg) in outcomes(results, [0, 1]).items():
         assert kind == "RankFailedError" and failed == "2", report(results)
         assert "no heartbeat" in msg
         assert HB - 0.5 < after < HB + 2, after
@@ -136,7 +135,7 @@ def test_hung_rank_is_detected_by_missing_heartbeats():
 @pytest.mark.timeout(90)
 def test_coordinator_death_is_reported_on_every_rank():
     _, results = run_fault("os.kill(os.getpid(), 9)", victim=0)
-    for rank, (kind, failed, after, msg) in outcomes(results, [1, 2]).items():
+    for _rank, (kind, _failed, after, _msg) in outcomes(results, [1, 2]).items():
         assert kind in ("CoordinatorUnavailable", "RankFailedError"), report(results)
         assert after < HB + 2, after
 
