@@ -43,6 +43,21 @@ proto-check: $(PROTO_VENV)/.installed
 	diff -r -x __init__.py -x __pycache__ .proto-check/gridcomm/_proto gridcomm/_proto && echo "generated stubs are up to date"
 	rm -rf .proto-check
 
+# The CPU rendezvous benchmark (about 10-15 minutes at the default subset); rewrites its section of
+# BENCHMARKS.md and benchmarks/rendezvous.png. Its peers live in a virtualenv of their own.
+BENCH_VENV ?= .venv-bench
+BENCH_ARGS ?= --ranks 8,128,512,2048 --reps 3
+
+$(BENCH_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install -q -e '.[bench]'
+	touch $@
+
+.PHONY: bench
+bench: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python benchmarks/rendezvous.py $(BENCH_ARGS) --markdown BENCHMARKS.md
+
 lint: $(BIN)/.installed
 	$(BIN)/ruff check gridcomm tests benchmarks
 	$(BIN)/mypy
