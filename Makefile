@@ -24,6 +24,10 @@ test: $(BIN)/.installed
 	$(BIN)/python -m pytest -m "not scale and not gpu" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; rc=0; fi; exit $$rc
 
+# On the GPU machine (system Python with CuPy and NCCL; carried wheels, see README).
+test-gpu:
+	bash scripts/gpu_check.sh
+
 test-scale: $(BIN)/.installed
 	$(BIN)/python -m pytest -m scale -s $(PYTEST_ARGS)
 
