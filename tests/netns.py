@@ -50,6 +50,9 @@ IFNAMSIZ = 15
 
 _NAME_RE = re.compile(r"^gc(\d+)[a-z]+-(sw|h\d+)$")
 _run_counter = itertools.count()
+#: Pass as the host index to :meth:`Topology.popen`, :meth:`~Topology.command` or :meth:`~Topology.run`
+#: to run in the switch namespace, which plays the node (see :meth:`Topology.node_addr`).
+NODE = "node"
 _PARTITION_TABLE = "gc_partition"
 _LOSS_TABLE = "gc_loss"
 
@@ -213,7 +216,7 @@ class HostProcess:
     """A process started inside a host namespace: stdout read line by line with deadlines, stdin
     for commands, stderr kept in a file (so a chatty process never blocks on a full pipe)."""
 
-    def __init__(self, host: int, argv: Sequence[str], popen: subprocess.Popen[bytes], stderr_path: str) -> None:
+    def __init__(self, host: int | str, argv: Sequence[str], popen: subprocess.Popen[bytes], stderr_path: str) -> None:
         self.host = host
         self.argv = list(argv)
         self.popen = popen
@@ -314,12 +317,14 @@ class Topology:
     """``n_hosts`` namespaces on one bridge. Use as ``with Topology(n).build() as topo: ...``.
 
     ``names`` maps a host index to the names that resolve to it in every host's /etc/hosts
-    (default: ``job-<I>.svc``, ``job-<I>`` and ``job-<I>.gridcomm.default.svc.cluster.local``).
+    (default: ``job-<I>.svc``, ``job-<I>`` and ``job-<I>.gridcomm.default.svc.cluster.local``);
+    ``own_names`` maps a host index to names that resolve to it only inside that host (as kubelet
+    writes a pod's own host name into the pod's /etc/hosts alone).
     ``setup_s`` and ``teardown_s`` record how long build and close took.
     """
 
     def __init__(self, n_hosts: int, *, names: Mapping[int, Sequence[str]] | None = None,
-                 subnet_octet: int | None = None) -> None:
+                 own_names: Mapping[int, Sequence[str]] | None = None, subnet_octet: int | None = None) -> None:
         if not 1 <= n_hosts <= MAX_HOSTS:
             raise ValueError(f"n_hosts={n_hosts} must be between 1 and {MAX_HOSTS}")
         self.n_hosts = n_hosts
@@ -336,6 +341,8 @@ class Topology:
             [f"job-{i}.svc", f"job-{i}", f"job-{i}.gridcomm.default.svc.cluster.local"]
             for i in range(n_hosts)
         }
+        self.own_names: dict[int, list[str]] = {i: list(v) for i, v in (own_names or {}).items()}
+        self._node_addr: str | None = None
         self._hidden: set[str] = set()
         self._created: list[str] = []
         self._processes: list[HostProcess] = []
@@ -346,8 +353,19 @@ class Topology:
         self._closed = False
 
     # ------------------------------------------------------------------ names
-    def ns(self, i: int) -> str:
-        return self.hosts[i]
+    def ns(self, i: int | str) -> str:
+        """Host ``i``'s namespace; ``NODE`` names the switch namespace."""
+        return self.switch if i == NODE else self.hosts[i]  # type: ignore[index]
+
+    def node_addr(self) -> str:
+        """Gives the switch's bridge the subnet's first address and returns it, so a process started
+        with ``popen(NODE, ...)`` reaches every host as a Kubernetes node reaches its pods (kubelet's
+        probes come from there). Idempotent."""
+        if self._node_addr is None:
+            addr = str(self.subnet.network_address + 1)
+            _run(["ip", "-n", self.switch, "addr", "add", f"{addr}/{self.subnet.prefixlen}", "dev", "br0"])
+            self._node_addr = addr
+        return self._node_addr
 
     def veth(self, i: int) -> str:
         """The switch-side interface of host ``i`` (lives in the switch namespace)."""
@@ -445,7 +463,7 @@ class Topology:
             print(f"netns: {sys.exc_info()[1]}", file=sys.stderr)
 
     # ------------------------------------------------------------------ processes
-    def command(self, i: int, argv: Sequence[str], *, hostname: str | None = None) -> list[str]:
+    def command(self, i: int | str, argv: Sequence[str], *, hostname: str | None = None) -> list[str]:
         """The argv that runs ``argv`` inside host ``i`` (with its own UTS namespace and host name
         when ``hostname`` is given). Each step execs the next, so the PID is the command's own."""
         prefix = ["ip", "netns", "exec", self.ns(i)]
@@ -453,7 +471,7 @@ class Topology:
             prefix += ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname]
         return prefix + list(argv)
 
-    def popen(self, i: int, argv: Sequence[str], *, hostname: str | None = None,
+    def popen(self, i: int | str, argv: Sequence[str], *, hostname: str | None = None,
               env: Mapping[str, str] | None = None, stdin: bool = False) -> HostProcess:
         """Starts ``argv`` in host ``i``; it is killed by :meth:`close` if still running."""
         assert self._logdir is not None and not self._closed, "build() the topology first"
@@ -467,7 +485,7 @@ class Topology:
         self._processes.append(proc)
         return proc
 
-    def run(self, i: int, argv: Sequence[str], *, input: str | None = None, check: bool = True,
+    def run(self, i: int | str, argv: Sequence[str], *, input: str | None = None, check: bool = True,
             timeout_s: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
         """Runs a short command inside host ``i`` and returns its output."""
         return _run(self.command(i, argv), input=input, check=check, timeout_s=timeout_s)
@@ -490,17 +508,18 @@ class Topology:
         os.kill(pid, signal.SIGKILL)
 
     # ------------------------------------------------------------------ names (DNS)
-    def _hosts_text(self) -> str:
+    def _hosts_text(self, inside: int | None = None) -> str:
         lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
         for i in range(self.n_hosts):
-            visible = [n for n in self.names[i] if n not in self._hidden]
+            own = self.own_names.get(i, []) if i == inside else []
+            visible = [n for n in dict.fromkeys([*own, *self.names[i]]) if n not in self._hidden]
             if visible:
                 lines.append(f"{self.addr(i)}\t{' '.join(visible)}")
         return "\n".join(lines) + "\n"
 
     def _write_hosts_files(self) -> None:
-        text = self._hosts_text().encode()
-        for name in [self.switch, *self.hosts]:
+        for inside, name in [(None, self.switch), *enumerate(self.hosts)]:
+            text = self._hosts_text(inside).encode()
             path = os.path.join(NETNS_ETC_DIR, name, "hosts")
             # Why in place (same inode): running processes see /etc/hosts through a bind mount of
             # this very file; replacing it by rename would leave them reading the old one.

@@ -11,6 +11,9 @@ Exit codes, which the Job's ``podFailurePolicy`` relies on:
   1  anything else (counted against the Job's ``backoffLimit``).
 
 ``TRAIN_STEPS`` (default 10) and ``TRAIN_ELEMENTS`` (default 1048576) size the work.
+``TRAIN_STEP_SLEEP_S`` (default 0) paces it: each step then also sleeps that long, standing in
+for the compute between collectives, and logs one line (tests/test_pod_simulation.py uses it to
+keep pods running, and to kill one between two steps).
 """
 
 from __future__ import annotations
@@ -45,15 +48,18 @@ def _array_module(backend: str):
     return cupy
 
 
-def run(steps: int, elements: int) -> None:
+def run(steps: int, elements: int, step_sleep_s: float = 0.0) -> None:
     with gridcomm.init_process_group() as comm:
         xp = _array_module(os.environ.get("GRIDCOMM_BACKEND", "nccl"))
         log.info("rank %d of %d joined; %d all_reduce steps of %d float32", comm.rank, comm.world_size, steps, elements)
         send = xp.full(elements, comm.rank + 1, dtype=xp.float32)
         recv = xp.empty_like(send)
         started = time.perf_counter()
-        for _ in range(steps):
+        for step in range(steps):
             comm.all_reduce(send, recv, op="sum")
+            if step_sleep_s > 0:
+                log.info("rank %d: step %d of %d done", comm.rank, step + 1, steps)
+                time.sleep(step_sleep_s)
         expected = comm.world_size * (comm.world_size + 1) / 2
         # Comparing on the array's own device keeps the check cheap; bool() waits for the stream.
         if not bool((recv == expected).all()):
@@ -68,8 +74,9 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     steps = int(os.environ.get("TRAIN_STEPS", "10"))
     elements = int(os.environ.get("TRAIN_ELEMENTS", str(1 << 20)))
+    step_sleep_s = float(os.environ.get("TRAIN_STEP_SLEEP_S", "0"))
     try:
-        run(steps, elements)
+        run(steps, elements, step_sleep_s)
     except (gridcomm.ConfigError, gridcomm.AuthenticationError) as exc:
         log.error("configuration error: %s", exc)
         return EXIT_CONFIG_ERROR
