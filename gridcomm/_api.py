@@ -81,7 +81,7 @@ def init_process_group(
         client = CoordinatorClient(dial_host, dial_port, my_rank, world_size, token=secret, timeout_s=wait_s, tls=tls)
         client.join()
         watcher = Watcher(client.target, client.tls, client.metadata, client.caller, client.heartbeat_timeout_s,
-                          latch.fire)
+                          latch.fire, coordinator_rank=0 if _config.coordinator_mode() == "embedded" else None)
         watcher.start()
         impl = build_backend(kind, client, "world", my_rank, world_size)
     except BaseException as exc:
@@ -100,5 +100,8 @@ def init_process_group(
             coordinator.stop(grace_s=min(5.0, wait_s))
         raise
     log.info("rank %d of %d: %s communicator ready in %.3f s", my_rank, world_size, kind, time.monotonic() - started)
-    return Communicator(impl, client, coordinator=coordinator, grace_s=min(60.0, wait_s), watcher=watcher,
+    comm = Communicator(impl, client, coordinator=coordinator, grace_s=min(60.0, wait_s), watcher=watcher,
                         health=health, latch=latch)
+    if _config.coordinator_mode() == "embedded":
+        comm.coordinator_rank = impl.coordinator_rank = 0
+    return comm

@@ -8,13 +8,14 @@ reported failure they are rebound to raise, so no per-call flag check is needed 
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 from gridcomm._client import CoordinatorClient
-from gridcomm._errors import CommAborted, ConfigError, GridcommError
+from gridcomm._errors import CommAborted, ConfigError, GridcommError, RankFailedError, coordinator_lost
 from gridcomm._liveness import RankHealth, Watcher
 from gridcomm._server import Coordinator
 
@@ -99,11 +100,14 @@ class Communicator:
         self._splits = 0
         self._closed: GridcommError | None = None
         self._finalized = False
+        #: The rank hosting the coordinator (0 when embedded; None for `gridcomm serve`).
+        self.coordinator_rank: int | None = parent.coordinator_rank if parent is not None else None
         self._watcher = watcher
         self._health = health
         for method in COLLECTIVES:
             setattr(self, method, getattr(backend, method))
         backend.on_invalid = self._invalid_call
+        backend.coordinator_rank = self.coordinator_rank
         if health is not None:
             health.set(live=True, ready=True)
         if latch is not None:
@@ -203,7 +207,12 @@ class Communicator:
         label = "barrier" if name is None else name
         if not isinstance(label, str) or not label:
             raise ConfigError(f"barrier name must be a non-empty str, not {name!r}.")
-        self._client.barrier(f"{self.name}/{label}", timeout_s, participants=self._participants)
+        try:
+            self._client.barrier(f"{self.name}/{label}", timeout_s, participants=self._participants)
+        except GridcommError as exc:
+            root = self._root()
+            raise (root._closed if isinstance(root._closed, RankFailedError) else
+                   coordinator_lost(exc, root.coordinator_rank)) from exc
 
     def split(self, color: int | None, key: int | None = None) -> Communicator | None:
         """A sub-communicator of the ranks that pass the same ``color``, ordered by ``key`` (then
@@ -235,7 +244,7 @@ class Communicator:
         self._closed = error
 
         def refuse(*_args: Any, **_kwargs: Any) -> None:
-            raise type(error)(str(error))
+            raise copy.copy(error)  # keeps .rank and .reason
 
         for method in COLLECTIVES:
             setattr(self, method, refuse)
@@ -275,7 +284,8 @@ class Communicator:
         if self._watcher is not None:
             self._watcher.stop()
         if self._health is not None:
-            self._health.set(live=report is None, ready=False)
+            # A failure seen earlier already turned liveness off; it stays off.
+            self._health.set(live=False if report is not None else None, ready=False)
         try:
             if report is not None:
                 self._client.report_failure(report)

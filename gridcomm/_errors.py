@@ -52,5 +52,19 @@ class CoordinatorUnavailable(GridcommError, ConnectionError):
     the deadline."""
 
 
+class CoordinatorLost(RankFailedError, CoordinatorUnavailable):
+    """Raised on every other rank when the coordinator hosted inside rank 0 stopped answering:
+    rank 0 is taken as failed (``rank == 0``). Catchable as either parent."""
+
+
 class ArgumentError(ConfigError):
     """Raised when a collective is called with an invalid array, shape, dtype, op, root or peer."""
+
+
+def coordinator_lost(error: GridcommError, coordinator_rank: int | None) -> GridcommError:
+    """``error`` as seen by a rank whose coordinator lives in ``coordinator_rank``'s process: an
+    unreachable coordinator is that rank's failure. Other errors pass through."""
+    if coordinator_rank is None or not isinstance(error, CoordinatorUnavailable) or isinstance(error, CoordinatorLost):
+        return error
+    return CoordinatorLost(f"rank {coordinator_rank} failed (it hosts the coordinator): {error}",
+                           rank=coordinator_rank, reason=str(error))

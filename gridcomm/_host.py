@@ -15,7 +15,7 @@ import numpy as np
 
 from gridcomm import _validate
 from gridcomm._client import CoordinatorClient
-from gridcomm._errors import GridcommError
+from gridcomm._errors import GridcommError, coordinator_lost
 
 _REDUCE: dict[str, Callable[..., Any]] = {
     "sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "avg": np.add,
@@ -34,6 +34,9 @@ class HostBackend:
     kind = "host"
     #: Called with an ArgumentError before it propagates (set by the communicator).
     on_invalid: Callable[[Exception], None] | None = None
+    #: The rank whose process hosts the coordinator (embedded mode), so losing the coordinator
+    #: is reported as that rank's failure.
+    coordinator_rank: int | None = None
 
     def __init__(self, client: CoordinatorClient, name: str, rank: int, world_size: int) -> None:
         self._client = client
@@ -55,19 +58,19 @@ class HostBackend:
             try:
                 self._client.put(key, _bytes(array), readers)
             except GridcommError as exc:
-                raise self._failure or exc from exc
+                raise self._failure or coordinator_lost(exc, self.coordinator_rank) from exc
 
     def _take(self, key: str, out: Any) -> None:
         try:
             self._client.take(key, out=_bytes(out))
         except GridcommError as exc:
-            raise self._failure or exc from exc
+            raise self._failure or coordinator_lost(exc, self.coordinator_rank) from exc
 
     def _take_bytes(self, key: str, out: memoryview) -> None:
         try:
             self._client.take(key, out=out)
         except GridcommError as exc:
-            raise self._failure or exc from exc
+            raise self._failure or coordinator_lost(exc, self.coordinator_rank) from exc
 
     def _reduce_to(self, tag: str, root: int, in_array: Any, op: str) -> np.ndarray | None:
         """Every rank's in_array reduced on ``root`` in rank order; None on other ranks."""

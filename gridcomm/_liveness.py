@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gridcomm import _config
 from gridcomm._client import channel_credentials, secure_options, translate
-from gridcomm._errors import CoordinatorUnavailable, GridcommError, RankFailedError
+from gridcomm._errors import CoordinatorLost, CoordinatorUnavailable, GridcommError, RankFailedError
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._server import SERVICE_NAME
@@ -107,13 +107,15 @@ class Watcher:
 
     def __init__(self, target: str, tls: _config.TlsFiles | None, metadata: tuple[tuple[str, str], ...],
                  caller: pb.Caller, heartbeat_timeout_s: float,
-                 on_failure: Callable[[GridcommError], None]) -> None:
+                 on_failure: Callable[[GridcommError], None], coordinator_rank: int | None = None) -> None:
         self._target = target
         self._tls = tls
         self._metadata = metadata
         self._caller = caller
         self._timeout_s = heartbeat_timeout_s
         self._on_failure = on_failure
+        #: The rank whose process hosts the coordinator (0 when embedded), or None (standalone).
+        self._coordinator_rank = coordinator_rank
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
 
@@ -164,9 +166,7 @@ class Watcher:
                         return
                     silent = time.monotonic() - last_ok
                     if silent > self._timeout_s:
-                        self._report(CoordinatorUnavailable(
-                            f"rank {self._caller.rank}: the coordinator at {self._target} has not answered for "
-                            f"{silent:.1f} s (heartbeat timeout {self._timeout_s:g} s): {code.name}: {exc.details()}"))
+                        self._report(self._lost(silent, f"{code.name}: {exc.details()}"))
                         return
                     # Jittered, bounded backoff; the loop ends at the heartbeat timeout above.
                     await asyncio.sleep(backoff * (0.5 + random.random()))
@@ -183,6 +183,16 @@ class Watcher:
             await channel.close()
 
 
+    def _lost(self, silent: float, why: str) -> GridcommError:
+        text = (f"the coordinator at {self._target} has not answered for {silent:.1f} s "
+                f"(heartbeat timeout {self._timeout_s:g} s): {why}")
+        if self._coordinator_rank is not None:
+            # Why: the coordinator lives in that rank's process; its silence is that rank's failure.
+            return CoordinatorLost(f"rank {self._coordinator_rank} failed: {text} (seen by rank {self._caller.rank})",
+                                   rank=self._coordinator_rank, reason=text)
+        return CoordinatorUnavailable(f"rank {self._caller.rank}: {text}")
+
+
 class RankHealth:
     """grpc.health.v1 for one rank on a plaintext port (GRIDCOMM_HEALTH_PORT), for kubelet.
 
@@ -195,6 +205,7 @@ class RankHealth:
         self._bind = bind
         self._server: grpc.aio.Server | None = None
         self._health: Any = None
+        self._dead = False
         self.port = 0
 
     def start(self) -> RankHealth:
@@ -214,11 +225,20 @@ class RankHealth:
         self.port = submit(begin()).result(10.0)
         return self
 
-    def set(self, live: bool, ready: bool) -> None:
+    def set(self, live: bool | None = None, ready: bool | None = None) -> None:
+        """Updates liveness and/or readiness (None leaves one as it is). Liveness never returns
+        to SERVING once it was turned off: a failed rank stays failed for kubelet."""
+        if live:
+            live = None if self._dead else live
+        if live is False:
+            self._dead = True
+
         async def update() -> None:
             serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-            await self._health.set("", serving if live else not_serving)
-            await self._health.set(SERVICE_NAME, serving if ready else not_serving)
+            if live is not None:
+                await self._health.set("", serving if live else not_serving)
+            if ready is not None:
+                await self._health.set(SERVICE_NAME, serving if ready else not_serving)
 
         if self._health is not None:
             run_soon(update(), 5.0)
