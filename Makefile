@@ -31,6 +31,11 @@ test-gpu:
 test-scale: $(BIN)/.installed
 	$(BIN)/python -m pytest -m scale -s $(PYTEST_ARGS)
 
+# Wire fuzzing of the coordinator at >= 10,000 cases (`make test` runs the same file at >= 1,000).
+.PHONY: fuzz
+fuzz: $(BIN)/.installed
+	GRIDCOMM_FUZZ_EXAMPLES=10000 $(BIN)/python -m pytest tests/test_fuzz.py -s $(PYTEST_ARGS)
+
 $(PROTO_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(PROTO_VENV)
 	$(PROTO_VENV)/bin/python -m pip install -q 'grpcio-tools==1.62.3'
