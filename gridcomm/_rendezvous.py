@@ -20,6 +20,14 @@ RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 NOT_FOUND = "NOT_FOUND"
 
 
+def quote(value: str, limit: int = 64) -> str:
+    """repr() of a wire-supplied string, cut to ``limit`` characters so a refusal stays readable
+    and far below gRPC's metadata limits whatever the caller sent."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
 class StateError(Exception):
     """A request the state refuses; ``code`` is a gRPC status name."""
 
@@ -193,7 +201,7 @@ class JobState:
         if job_id != self.job_id:
             raise StateError(
                 INVALID_ARGUMENT,
-                f"job id {job_id!r} does not match this coordinator's job {self.job_id!r}; "
+                f"job id {quote(job_id)} does not match this coordinator's job {quote(self.job_id)}; "
                 "set the same GRIDCOMM_JOB_ID on every rank.",
             )
 
@@ -216,16 +224,16 @@ class JobState:
         if len(value) > self.limits.max_value_bytes:
             raise StateError(
                 RESOURCE_EXHAUSTED,
-                f"value for key {key!r} is {len(value)} bytes; the limit is {self.limits.max_value_bytes}.",
+                f"value for key {quote(key)} is {len(value)} bytes; the limit is {self.limits.max_value_bytes}.",
             )
         old = self.kv.get(key)
         grow = len(value) - (len(old) if old is not None else 0)
         if old is None and len(self.kv) >= self.limits.max_keys:
-            raise StateError(RESOURCE_EXHAUSTED, f"the store holds {len(self.kv)} keys, its limit; key {key!r} was not set.")
+            raise StateError(RESOURCE_EXHAUSTED, f"the store holds {len(self.kv)} keys, its limit; key {quote(key)} was not set.")
         if self._kv_bytes + grow > self.limits.max_total_value_bytes:
             raise StateError(
                 RESOURCE_EXHAUSTED,
-                f"the store would hold more than {self.limits.max_total_value_bytes} bytes; key {key!r} was not set.",
+                f"the store would hold more than {self.limits.max_total_value_bytes} bytes; key {quote(key)} was not set.",
             )
         self.kv[key] = value
         self._kv_bytes += grow
@@ -235,37 +243,42 @@ class JobState:
         return self.kv.get(key)
 
     # ----------------------------------------------------------------- barriers
+    def check_barrier_name(self, name: str) -> None:
+        size = len(name.encode())
+        if size == 0 or size > self.limits.max_name_bytes:
+            raise StateError(INVALID_ARGUMENT, f"barrier name length {size} must be between 1 and {self.limits.max_name_bytes} bytes.")
+
     def arrive(self, name: str, rank: int, seq: int, now: float, participants: Sequence[int] = ()) -> int:
         """Records rank's arrival at instance ``seq`` of barrier ``name``.
 
         ``participants`` are the ranks that take part (empty: every rank). Returns the highest
         instance that is complete after this arrival (>= seq means done).
         """
-        size = len(name.encode())
-        if size == 0 or size > self.limits.max_name_bytes:
-            raise StateError(INVALID_ARGUMENT, f"barrier name length {size} must be between 1 and {self.limits.max_name_bytes} bytes.")
+        self.check_barrier_name(name)
         if seq < 1:
-            raise StateError(INVALID_ARGUMENT, f"barrier {name!r} seq {seq} must be >= 1.")
+            raise StateError(INVALID_ARGUMENT, f"barrier {quote(name)} seq {seq} must be >= 1.")
+        members = self._participants(name, rank, participants)
+        # Why membership is checked before the barrier is opened: a refused arrival must leave
+        # no trace (it would otherwise fix the group for the ranks that come after it).
+        if rank not in (members if len(members) != self.world_size else range(self.world_size)):
+            raise StateError(INVALID_ARGUMENT, f"rank {rank} is not a participant of barrier {quote(name)}.")
         barrier = self.barriers.get(name)
         if barrier is None:
-            members = self._participants(name, rank, participants)
             if len(self.barriers) >= self.limits.max_barrier_names:
                 raise StateError(RESOURCE_EXHAUSTED, f"{len(self.barriers)} barrier names are in use, the limit.")
             barrier = self.barriers[name] = _Barrier(arrived=[0] * self.world_size, members=members)
-        elif participants and tuple(participants) != barrier.members:
+        elif members != barrier.members:
             raise StateError(
                 INVALID_ARGUMENT,
-                f"rank {rank} arrived at barrier {name!r} with participants {list(participants)[:16]}, but it was "
+                f"rank {rank} arrived at barrier {quote(name)} for ranks {list(members)[:16]}, but it was "
                 f"opened for {list(barrier.members)[:16]}; every member must name the same group.",
             )
-        if rank not in (barrier.members if len(barrier.members) != self.world_size else range(self.world_size)):
-            raise StateError(INVALID_ARGUMENT, f"rank {rank} is not a participant of barrier {name!r}.")
         mine = barrier.arrived[rank]
         if seq > mine + 1:
             # Why: a rank cannot skip an instance; seq counts its own arrivals at this name.
             raise StateError(
                 INVALID_ARGUMENT,
-                f"rank {rank} arrived at barrier {name!r} #{seq}, but its previous arrival was #{mine}; "
+                f"rank {rank} arrived at barrier {quote(name)} #{seq}, but its previous arrival was #{mine}; "
                 "seq must count up by one.",
             )
         if seq > mine:
@@ -288,7 +301,7 @@ class JobState:
         if list(members) != sorted(set(members)) or members[0] < 0 or members[-1] >= self.world_size:
             raise StateError(
                 INVALID_ARGUMENT,
-                f"barrier {name!r}: participants must be distinct ranks in 0..{self.world_size - 1}, sorted; "
+                f"barrier {quote(name)}: participants must be distinct ranks in 0..{self.world_size - 1}, sorted; "
                 f"got {list(members)[:16]}.",
             )
         return members
@@ -396,19 +409,23 @@ class Mailbox:
         self.used = 0
         self.messages: dict[str, tuple[bytes, int]] = {}
 
-    def check(self, key: str, total: int, readers: int) -> None:
+    @staticmethod
+    def check_key(key: str) -> None:
         if not key or len(key) > 1024:
-            raise StateError(INVALID_ARGUMENT, f"message key {key[:64]!r} must be 1 to 1024 characters.")
+            raise StateError(INVALID_ARGUMENT, f"message key {quote(key)} must be 1 to 1024 characters.")
+
+    def check(self, key: str, total: int, readers: int) -> None:
+        self.check_key(key)
         if readers < 1:
-            raise StateError(INVALID_ARGUMENT, f"message {key!r} must have at least one reader, not {readers}.")
+            raise StateError(INVALID_ARGUMENT, f"message {quote(key)} must have at least one reader, not {readers}.")
         if total > self.max_bytes:
             raise StateError(
                 RESOURCE_EXHAUSTED,
-                f"message {key!r} is {total} bytes; the coordinator holds at most {self.max_bytes} bytes of messages; "
+                f"message {quote(key)} is {total} bytes; the coordinator holds at most {self.max_bytes} bytes of messages; "
                 "send it in smaller pieces.",
             )
         if key in self.messages:
-            raise StateError(ALREADY_EXISTS, f"message {key!r} was already sent and not yet taken.")
+            raise StateError(ALREADY_EXISTS, f"message {quote(key)} was already sent and not yet taken.")
 
     def has_room(self, total: int) -> bool:
         return self.used + total <= self.max_bytes

@@ -23,7 +23,7 @@ from gridcomm import _config
 from gridcomm._errors import ConfigError, CoordinatorUnavailable
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
-from gridcomm._rendezvous import JobState, Limits, Member, MemberState, StateError
+from gridcomm._rendezvous import JobState, Limits, Member, MemberState, StateError, quote
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ FAILED_KEY = "gridcomm-failed-rank"
 _ANSWER_MARGIN_S = 0.25
 #: Largest message accepted or sent: a full 64 MiB value plus framing.
 MAX_MESSAGE_BYTES = 80 * 1024 * 1024
+#: Longest status message sent (characters); see _details.
+MAX_DETAILS = 400
 #: Host-backend messages travel in pieces of this size.
 CHUNK_BYTES = 4 * 1024 * 1024
 
@@ -60,11 +62,47 @@ def server_options() -> list[tuple[str, Any]]:
     ]
 
 
+class _Undecodable:
+    """Stands for a request body that is not a valid message of its type."""
+
+
+_UNDECODABLE = _Undecodable()
+
+
+def _parser(message_type: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except Exception:  # noqa: BLE001 - DecodeError and friends: answered INVALID_ARGUMENT
+            return _UNDECODABLE
+
+    return parse
+
+
+def _register(servicer: Any, server: grpc.aio.Server) -> None:
+    """Registers the Coordinator service like the generated helper, but with deserializers that
+    turn an undecodable body into a sentinel the handlers refuse with INVALID_ARGUMENT (gRPC's
+    own answer would be UNKNOWN)."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["Coordinator"].methods:
+        request_type = getattr(pb, method.input_type.name)
+        response_type = getattr(pb, method.output_type.name)
+        make = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=_parser(request_type),
+                                     response_serializer=response_type.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
 def _status_code(name: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, name)
 
 
-def _ranks_text(ranks: Iterable[int], limit: int = 4096) -> str:
+def _ranks_text(ranks: Iterable[int], limit: int = 2048) -> str:
     text = ",".join(str(r) for r in ranks)
     return text[:limit]
 
@@ -85,13 +123,19 @@ class _Abort(Exception):
         self.metadata = metadata
 
 
+def _details(message: str) -> str:
+    """Status details short enough that, percent-encoded (up to 9 bytes a character), they stay
+    well inside gRPC's 8 KiB metadata budget beside our trailers."""
+    return message if len(message) <= MAX_DETAILS else message[: MAX_DETAILS - 15] + "... (truncated)"
+
+
 async def _refuse(context: grpc.aio.ServicerContext, name: str, exc: Exception) -> None:
     """Answers a refused or failed call with a status and a readable message; always raises."""
     if isinstance(exc, _Abort):
-        await context.abort(exc.code, exc.message, trailing_metadata=exc.metadata)
+        await context.abort(exc.code, _details(exc.message), trailing_metadata=exc.metadata)
     if isinstance(exc, StateError):
         metadata = ((FAILED_KEY, str(exc.failed_rank)),) if exc.failed_rank is not None else ()
-        await context.abort(_status_code(exc.code), exc.message, trailing_metadata=metadata)
+        await context.abort(_status_code(exc.code), _details(exc.message), trailing_metadata=metadata)
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
     log.exception("coordinator: %s failed on an unexpected error", name, exc_info=exc)
@@ -107,6 +151,9 @@ def _handler(method: Callable[..., Awaitable[_T]]) -> Callable[..., Awaitable[_T
     async def wrapped(self: _Servicer, request: Any, context: grpc.aio.ServicerContext) -> _T:
         try:
             self._authenticate(context, name)
+            if request is _UNDECODABLE:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"the {name} request body is not a valid gridcomm.v1 message of its type.")
             return await method(self, request, context)
         except Exception as exc:  # noqa: BLE001 - the coordinator must survive any request
             await _refuse(context, name, exc)
@@ -237,9 +284,17 @@ class _Servicer(pb_grpc.CoordinatorServicer):
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse:
         state = self._state
         now = self._now()
-        completed = state.join(
-            request.job_id, request.rank, request.world_size, request.incarnation, request.hostname, now
-        )
+        was_failed = state.failed
+        try:
+            completed = state.join(
+                request.job_id, request.rank, request.world_size, request.incarnation, request.hostname, now
+            )
+        except StateError:
+            if state.failed and not was_failed:
+                # Why: the join marked a rank failed (a restarted process): tell everyone now.
+                log.error("coordinator: %s", state.failures[0].reason)
+                self._on_failure()
+            raise
         member = state.members[request.rank]
         if completed:
             log.info("coordinator: all %d ranks joined; generation %d", state.world_size, state.generation)
@@ -283,12 +338,12 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         state.get(key)  # validates the key
         member.active_calls += 1
         try:
-            ok = await self._wait(("kv", key), lambda: key in state.kv, request.wait_s, context, f"get of {key!r}")
+            ok = await self._wait(("kv", key), lambda: key in state.kv, request.wait_s, context, f"get of {quote(key)}")
         finally:
             member.active_calls -= 1
             member.last_seen = self._now()
         if not ok:
-            raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"key {key!r} was not set within {request.wait_s:.1f} s")
+            raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"key {quote(key)} was not set within {request.wait_s:.1f} s")
         return pb.GetResponse(value=state.kv[key])
 
     @_handler
@@ -296,7 +351,8 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         rank = request.caller.rank
         member = self._caller(request.caller, "barrier")
         state = self._state
-        state.check_not_failed(f"barrier {request.name!r}")
+        state.check_barrier_name(request.name)
+        state.check_not_failed(f"barrier {quote(request.name)}")
         name, seq = request.name, request.seq
         before = state.barriers[name].completed if name in state.barriers else 0
         completed = state.arrive(name, rank, seq, self._now(), request.participants)
@@ -308,7 +364,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         if blocker is not None:
             raise _Abort(
                 grpc.StatusCode.ABORTED,
-                f"barrier {name!r} #{seq} cannot complete: rank {blocker.rank} left the job before arriving",
+                f"barrier {quote(name)} #{seq} cannot complete: rank {blocker.rank} left the job before arriving",
                 ((FAILED_KEY, str(blocker.rank)),),
             )
         member.active_calls += 1
@@ -316,7 +372,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
             barrier = state.barriers[name]
             ok = await self._wait(
                 ("barrier", name, seq), lambda: barrier.completed >= seq, request.wait_s, context,
-                f"barrier {name!r}",
+                f"barrier {quote(name)}",
             )
         finally:
             member.active_calls -= 1
@@ -325,7 +381,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
             missing = state.barrier_missing(name, seq)
             raise _Abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"barrier {name!r} #{seq}: {len(missing)} of {state.world_size} ranks have not arrived: "
+                f"barrier {quote(name)} #{seq}: {len(missing)} of {state.world_size} ranks have not arrived: "
                 f"{_bounded(missing)}",
                 ((MISSING_KEY, _ranks_text(missing)),),
             )
@@ -405,30 +461,34 @@ class _Servicer(pb_grpc.CoordinatorServicer):
             first = await context.read()
             if first is grpc.aio.EOF:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "Put carried no chunk.")
+            if first is _UNDECODABLE:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "the first chunk of a Put is not a valid gridcomm.v1.Chunk.")
             self._caller(first.caller, "put")
             key, total, readers = first.key, first.total_bytes, first.readers
             mailbox.check(key, total, readers)
             ok = await self._wait(("mailbox-room",), lambda: mailbox.has_room(total), self._owner.timeout_s, context,
-                                  f"put of {key!r}")
+                                  f"put of {quote(key)}")
             if not ok:
                 raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"no room for message {key!r} ({total} bytes): the mailbox holds {mailbox.used} of "
+                             f"no room for message {quote(key)} ({total} bytes): the mailbox holds {mailbox.used} of "
                              f"{mailbox.max_bytes} bytes and nobody took them.")
             mailbox.reserve(total)
             reserved = total
             parts = [first.data]
             received = len(first.data)
-            while received < total:
+            # Read to the end of the stream: a surplus after the announced size is refused, not dropped.
+            while received <= total:
                 chunk = await context.read()
                 if chunk is grpc.aio.EOF:
                     break
+                if chunk is _UNDECODABLE:
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"a chunk of message {quote(key)} is not a valid "
+                                 "gridcomm.v1.Chunk.")
                 received += len(chunk.data)
-                if received > total:
-                    break
                 parts.append(chunk.data)
             if received != total:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"message {key!r} announced {total} bytes but carried {received}.")
+                             f"message {quote(key)} announced {total} bytes but carried {received}.")
             mailbox.publish(key, b"".join(parts), readers)
             reserved = 0
             self._wake(("mailbox", key))
@@ -446,18 +506,21 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         mailbox = self._state.mailbox
         try:
             self._authenticate(context, "Take")
+            if request is _UNDECODABLE:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "the Take request body is not a valid gridcomm.v1.TakeRequest.")
             member = self._caller(request.caller, "take")
             key = request.key
+            mailbox.check_key(key)
             member.active_calls += 1
             try:
                 ok = await self._wait(("mailbox", key), lambda: key in mailbox.messages, request.wait_s, context,
-                                      f"take of {key!r}")
+                                      f"take of {quote(key)}")
             finally:
                 member.active_calls -= 1
                 member.last_seen = self._now()
             if not ok:
                 raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                             f"message {key!r} did not arrive within {request.wait_s:.1f} s")
+                             f"message {quote(key)} did not arrive within {request.wait_s:.1f} s")
             data = mailbox.take(key)
             assert data is not None
             if key not in mailbox.messages:
@@ -633,7 +696,7 @@ class Coordinator:
         self._stop_requested = asyncio.Event()
         server = grpc.aio.server(options=server_options(), maximum_concurrent_rpcs=None)
         self._servicer = _Servicer(self)
-        pb_grpc.add_CoordinatorServicer_to_server(self._servicer, server)
+        _register(self._servicer, server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         target = _config.format_target(self.bind, self._requested_port)

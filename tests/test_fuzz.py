@@ -1734,9 +1734,6 @@ def joined(world_size: int) -> Iterator[tuple[grpc.Channel, Job]]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="bug: the coordinator quotes a wrong job id in full in its status message; "
-                   "past gRPC's 16 KiB metadata limit the client gets RESOURCE_EXHAUSTED 'Stream removed' "
-                   "instead of INVALID_ARGUMENT 'job id ... does not match'")
 def test_huge_job_id_gets_a_readable_refusal():
     # Reproducer: Join(job_id="x" * 100_000, rank=0, world_size=2, incarnation=1) ->
     #   RESOURCE_EXHAUSTED "Stream removed (received metadata size exceeds hard limit ...)".
@@ -1764,9 +1761,6 @@ def test_huge_job_id_gets_a_readable_refusal():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="bug: Take does not bound its key and quotes it in full when the wait "
-                   "ends; a 100 KB key makes the client see RESOURCE_EXHAUSTED 'Stream removed' instead of "
-                   "the server's answer")
 def test_huge_take_key_gets_a_readable_answer():
     # Reproducer: after both ranks joined, Take(caller=<rank 0>, key="k" * 100_000, wait_s=0.1) ->
     #   RESOURCE_EXHAUSTED "Stream removed (received metadata size exceeds hard limit ...)".
@@ -1778,9 +1772,6 @@ def test_huge_take_key_gets_a_readable_answer():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="bug: a Barrier arrival refused because the caller is not among the "
-                   "participants it names still opens the barrier with those participants; later correct "
-                   "arrivals are refused, or a barrier completes without the ranks it should wait for")
 def test_refused_barrier_arrival_leaves_no_trace():
     # Reproducer (world size 3, all joined):
     #   rank 0: Barrier(name="b", seq=1, participants=[1])   -> INVALID_ARGUMENT (not a participant)
@@ -1805,9 +1796,6 @@ def test_refused_barrier_arrival_leaves_no_trace():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="bug: Put stops reading once it has the announced total_bytes, so a "
-                   "chunk carrying more data after that is silently dropped and the message accepted "
-                   "(a surplus in the first chunk is refused)")
 def test_put_with_surplus_chunk_is_refused():
     # Reproducer: Put([Chunk(caller=<rank 0>, key="m", total_bytes=3, readers=1, data=b"abc"),
     #                  Chunk(data=b"defgh")]) -> OK; Take("m") -> b"abc".
@@ -1821,9 +1809,6 @@ def test_put_with_surplus_chunk_is_refused():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="bug: a request body that is not a valid protobuf message is answered "
-                   "UNKNOWN 'Unexpected DecodeError' (unary, Take: gRPC's default) or INTERNAL (Put: the "
-                   "handler's catch-all) instead of INVALID_ARGUMENT")
 def test_undecodable_body_is_invalid_argument(fresh_server):
     # Reproducer: channel.unary_unary("/gridcomm.v1.Coordinator/Join")(b"\xff") -> UNKNOWN;
     #             channel.stream_unary("/gridcomm.v1.Coordinator/Put")(iter([b"\xff"])) -> INTERNAL.
@@ -1839,9 +1824,6 @@ def test_undecodable_body_is_invalid_argument(fresh_server):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="bug: once a rank has failed, Barrier quotes the barrier name in its "
-                   "ABORTED message before checking the name's length; a 20 KB name makes the client see "
-                   "RESOURCE_EXHAUSTED 'Stream removed' instead of ABORTED naming the failed rank")
 def test_huge_barrier_name_after_a_failure_gets_a_readable_refusal():
     # Reproducer (world size 2, both joined): rank 1: ReportFailure(reason="x") -> OK;
     #   rank 0: Barrier(name="k" * 20_000, seq=1) -> RESOURCE_EXHAUSTED "Stream removed (... hard limit ...)".
@@ -1855,9 +1837,6 @@ def test_huge_barrier_name_after_a_failure_gets_a_readable_refusal():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="bug: a restarted rank (Join with a new incarnation after the rendezvous) "
-                   "is marked failed in the job state, but the coordinator neither turns health NOT_SERVING "
-                   "nor wakes waiting calls: a rank parked in a barrier learns of it only when its own wait ends")
 def test_restarted_rank_turns_health_not_serving():
     # Reproducer (world size 2, both joined): rank 1: Barrier("b", seq=1, wait_s=5) waits; a new process
     #   joins as rank 0 with another incarnation -> FAILED_PRECONDITION, gridcomm-failed-rank: 0 (right);
@@ -1883,11 +1862,6 @@ def test_restarted_rank_turns_health_not_serving():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="bug: every refusal after a failure quotes up to "
-                   "2,048 characters of the failed rank's reason; non-ASCII text is percent-encoded to up to 12 "
-                   "bytes a character, so the trailer overflows gRPC's metadata limit and the other ranks get "
-                   "RESOURCE_EXHAUSTED 'Stream removed' without gridcomm-failed-rank (ConfigError, not "
-                   "RankFailedError)")
 def test_long_non_ascii_failure_reason_reaches_the_other_ranks():
     # Reproducer (world size 2, both joined): rank 1: ReportFailure(reason="\u00e9" * 2048) -> OK;
     #   rank 0: Set(key="k", value=b"v") -> RESOURCE_EXHAUSTED "Stream removed (received metadata size
