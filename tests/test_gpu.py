@@ -6,6 +6,7 @@ World size 1 here: NCCL refuses two ranks on one GPU, and multi-GPU machines are
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -13,7 +14,8 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, RankProcesses, report
+from tests.test_conformance import WORKER
 
 pytestmark = pytest.mark.gpu
 
@@ -106,3 +108,66 @@ def test_demo_on_nccl():
     print(result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "all checks passed" in result.stdout
+
+
+def _gpus() -> int:
+    try:
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # noqa: BLE001 - no driver: no GPU
+        return 0
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.timeout(600)
+def test_nccl_conformance_two_gpus():
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs (NCCL refuses two ranks on one GPU)")
+    from tests.test_conformance import free_port
+
+    env = {"BACKEND": "nccl", "GRIDCOMM_PORT": str(free_port()), "GRIDCOMM_BIND": "127.0.0.1",
+           "GRIDCOMM_TIMEOUT_S": "120"}
+    results = RankProcesses(WORKER, 2, env=env, per_rank_env={0: {"CUDA_VISIBLE_DEVICES": "0"},
+                                                              1: {"CUDA_VISIBLE_DEVICES": "1"}}).wait(560)
+    for rank in (0, 1):
+        match = re.search(r"SUMMARY passed=(\d+) failed=(\d+)", results[rank].stdout)
+        assert match and results[rank].returncode == 0, report(results)
+        print(f"NCCL conformance at world size 2, rank {rank}: passed={match.group(1)} failed={match.group(2)}")
+        assert int(match.group(2)) == 0 and int(match.group(1)) > 150
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.timeout(180)
+def test_peer_killed_inside_an_nccl_collective_aborts_the_survivor():
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    from tests.test_conformance import free_port
+
+    code = """
+import os, sys, time, cupy, gridcomm
+rank = int(os.environ["GRIDCOMM_RANK"])
+comm = gridcomm.init_process_group(2, rank, backend="nccl")
+x = cupy.ones(1 << 20, dtype=cupy.float32)
+comm.all_reduce(x, x); cupy.cuda.get_current_stream().synchronize()
+comm.barrier("warm")
+if rank == 1:
+    os.kill(os.getpid(), 9)
+t0 = time.monotonic()
+try:
+    for _ in range(1000000):
+        comm.all_reduce(x, x)   # rank 1 never joins: without an abort this spins forever
+        cupy.cuda.get_current_stream().synchronize()
+except Exception as exc:
+    print(f"OUTCOME {type(exc).__name__} rank={getattr(exc, 'rank', '')} after={time.monotonic() - t0:.2f} {exc}",
+          flush=True)
+    os._exit(0)
+print("NO FAILURE", flush=True)
+"""
+    env = {"GRIDCOMM_PORT": str(free_port()), "GRIDCOMM_BIND": "127.0.0.1", "GRIDCOMM_HEARTBEAT_TIMEOUT_S": "4",
+           "GRIDCOMM_TIMEOUT_S": "60"}
+    results = RankProcesses(code, 2, env=env, per_rank_env={0: {"CUDA_VISIBLE_DEVICES": "0"},
+                                                            1: {"CUDA_VISIBLE_DEVICES": "1"}}).wait(120)
+    out = results[0].stdout
+    print(out)
+    assert "OUTCOME" in out, report(results)
+    after = float(out.split("after=")[1].split()[0])
+    assert after < 4 + 5, after
