@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from gridcomm import _config
+from gridcomm import _cluster, _config
 from gridcomm._client import CoordinatorClient
 from gridcomm._comm import Communicator, FailureLatch, build_backend
 from gridcomm._errors import ConfigError, GridcommError
@@ -50,10 +50,24 @@ def init_process_group(
     """
     if use_mpi:
         raise ConfigError("use_mpi=True is not supported: gridcomm's rendezvous replaces MPI; drop the argument.")
-    world_size = _config.world_size(n_devices)
-    my_rank = _config.rank(rank, world_size)
+    info = None
+    if n_devices is None or rank is None or host is None:
+        # Why: what the caller did not pass comes from the environment's detector (gridcomm
+        # launch, torchrun, Kubeflow, JobSet, Indexed Job), which also derives rank 0's name.
+        try:
+            info = _cluster.detect()
+        except ConfigError:
+            if n_devices is None or rank is None:
+                raise
+    world_size = _config.world_size(n_devices if n_devices is not None or info is None else info.world_size)
+    my_rank = _config.rank(rank if rank is not None or info is None else info.rank, world_size)
     kind = resolve_backend(backend)
+    if info is not None and host is None:
+        host = info.host
+        port = info.port if port is None else port
     dial_host, dial_port = _config.coordinator_address(host, port)
+    if info is not None:
+        log.info("rank %d of %d (from %s); coordinator %s:%d", my_rank, world_size, info.source, dial_host, dial_port)
     secret = _config.token(token)
     tls = _config.tls()
     wait_s = _config.timeout_s(timeout_s)

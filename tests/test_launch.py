@@ -73,3 +73,35 @@ def test_cupyx_style_program_runs_unchanged_on_host(nproc):
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in range(nproc):
         assert f"[rank {rank}] rank {rank}: cupyx-style program ok" in result.stdout
+
+
+@pytest.mark.timeout(90)
+def test_init_process_group_from_a_torchrun_environment(tmp_path):
+    """No arguments at all: rank, world size and rank 0's address come from torchrun's variables
+    through the cluster detector (GRIDCOMM_PORT, since torchrun's own agent holds MASTER_PORT)."""
+    from tests.test_conformance import free_port
+
+    script = tmp_path / "torchrun_style.py"
+    script.write_text("import numpy as np, gridcomm\n"
+                      "with gridcomm.init_process_group(backend='host') as comm:\n"
+                      "    x = np.full(3, comm.rank + 1.0); comm.all_reduce(x, x)\n"
+                      "    print('RESULT', comm.rank, comm.world_size, x.tolist(), flush=True)\n")
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in ENV.items() if not k.startswith("GRIDCOMM_")}
+        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT="1", GRIDCOMM_PORT=port, GRIDCOMM_BIND="127.0.0.1", GRIDCOMM_TIMEOUT_S="30",
+                   PYTHONPATH=ROOT)
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    for rank, (out, err) in enumerate(outs):
+        assert procs[rank].returncode == 0, err
+        assert f"RESULT {rank} 2 [3.0, 3.0, 3.0]" in out
