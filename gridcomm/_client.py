@@ -86,8 +86,10 @@ def channel_options() -> list[tuple[str, Any]]:
         ("grpc.use_local_subchannel_pool", 1),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
+        # Why generous: liveness comes from heartbeats and connection loss, not keepalive; an
+        # overloaded peer (thousands of ranks on few cores) must not be cut off for a slow ping ack.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.initial_reconnect_backoff_ms", 100),
@@ -212,6 +214,8 @@ class CoordinatorClient:
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._barrier_seq: dict[str, int] = {}
         self._caller_key: tuple[str, int, int, int] | None = None
+        #: Streaming calls in flight (cancelled by cancel_inflight on a failure).
+        self._inflight: set[Any] = set()
         self._caller = pb.Caller()
         self._joined = False
         self._left = False
@@ -339,7 +343,19 @@ class CoordinatorClient:
                 yield pb.Chunk(data=bytes(view[offset : offset + CHUNK_BYTES]))
 
         call_s = self.timeout_s if timeout_s is None else timeout_s
-        self._call(self._stub.Put, chunks(), f"rank {self.rank}: send {key!r}", call_s)
+        what = f"rank {self.rank}: send {key!r}"
+        if self._channel is None:
+            raise CommAborted(f"{what}: this client was closed.")
+        call = self._stub.Put.future(chunks(), timeout=call_s, metadata=self._metadata)
+        self._inflight.add(call)
+        try:
+            call.result()
+        except grpc.RpcError as exc:
+            raise translate(exc, what, self.target) from exc
+        except grpc.FutureCancelledError as exc:
+            raise CommAborted(f"{what}: cancelled, since the job failed.") from exc
+        finally:
+            self._inflight.discard(call)
 
     def take(self, key: str, out: memoryview | None = None, timeout_s: float | None = None) -> bytes | int:
         """Receives one message. With ``out`` (a writable byte view of the right size) the data is
@@ -351,8 +367,10 @@ class CoordinatorClient:
             raise CommAborted(f"{what}: this client was closed.")
         parts: list[bytes] = []
         received = 0
+        call = self._stub.Take(request, timeout=total + _CALL_SLACK_S, metadata=self._metadata)
+        self._inflight.add(call)
         try:
-            for chunk in self._stub.Take(request, timeout=total + _CALL_SLACK_S, metadata=self._metadata):
+            for chunk in call:
                 size = len(chunk.data)
                 if out is not None:
                     if received + size > len(out):
@@ -363,12 +381,21 @@ class CoordinatorClient:
                 received += size
         except grpc.RpcError as exc:
             raise translate(exc, what, self.target) from exc
+        finally:
+            self._inflight.discard(call)
         if out is not None:
             if received != len(out):
                 raise ConfigError(f"{what}: received {received} bytes into a {len(out)}-byte buffer; the sender's "
                                   "array has a different size.")
             return received
         return b"".join(parts)
+
+    def cancel_inflight(self) -> None:
+        """Cancels this client's data transfers in flight (from another thread), so a rank that
+        learns of a failure is not left waiting on a transfer to a peer or coordinator that is
+        gone. The waiting thread then gets CANCELLED (CommAborted), which callers translate."""
+        for call in list(self._inflight):
+            call.cancel()
 
     def heartbeat(self) -> list[pb.Failure]:
         """Tells the coordinator this rank is alive; returns the failures it knows of."""

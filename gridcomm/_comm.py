@@ -129,6 +129,7 @@ class Communicator:
         log.error("rank %d: %s; aborting the communicator", root.rank, error)
         root._close(error)
         root._abort_backends(error)
+        root._client.cancel_inflight()
         if root._health is not None:
             root._health.set(live=False, ready=False)
 

@@ -53,8 +53,10 @@ def server_options() -> list[tuple[str, Any]]:
         ("grpc.server.max_pending_requests", 1 << 20),
         ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
         ("grpc.max_concurrent_streams", 1 << 16),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
+        # Why generous: liveness comes from heartbeats and connection loss, not keepalive; an
+        # overloaded peer (thousands of ranks on few cores) must not be cut off for a slow ping ack.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
         ("grpc.http2.max_ping_strikes", 0),
