@@ -111,7 +111,8 @@ def init_process_group(
                     pass
             client.close()
         if coordinator is not None:
-            coordinator.stop(grace_s=min(5.0, wait_s))
+            # Why: before the rendezvous completed nobody needs rank 0's server any longer.
+            coordinator.stop(grace_s=min(5.0, wait_s) if coordinator.state.complete else 0.0)
         raise
     log.info("rank %d of %d: %s communicator ready in %.3f s", my_rank, world_size, kind, time.monotonic() - started)
     comm = Communicator(impl, client, coordinator=coordinator, grace_s=min(60.0, wait_s), watcher=watcher,

@@ -65,7 +65,10 @@ _SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
             {
-                "name": [{"service": SERVICE_NAME}],
+                # Unary calls only: a streaming transfer (Put, Take) that fails midway is not
+                # re-sent by the channel; the host backend sees the error and the failure path.
+                "name": [{"service": SERVICE_NAME, "method": m} for m in
+                         ("Join", "Set", "Get", "Barrier", "Heartbeat", "ReportFailure", "Leave", "Status")],
                 "retryPolicy": {
                     "maxAttempts": 5,
                     "initialBackoff": "0.1s",

@@ -199,7 +199,7 @@ class Communicator:
     # ------------------------------------------------------------------ control plane
     def _check_open(self, what: str) -> None:
         if self._closed is not None:
-            raise type(self._closed)(f"{what}: {self._closed}")
+            raise copy.copy(self._closed)  # keeps .rank and .reason
 
     def barrier(self, name: str | None = None, timeout_s: float | None = None) -> None:
         """A control-plane barrier over this communicator's ranks; on timeout raises

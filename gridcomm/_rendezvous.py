@@ -117,6 +117,7 @@ class JobState:
         self.barriers: dict[str, _Barrier] = {}
         self.mailbox = Mailbox(self.limits.max_mailbox_bytes)
         self.left_count = 0
+        self.completed_at: float | None = None
 
     # ----------------------------------------------------------------- join and identity
     @property
@@ -171,6 +172,7 @@ class JobState:
         self.members[rank] = Member(rank, incarnation, hostname, joined_at=now, last_seen=now)
         if len(self.members) == self.world_size:
             self.generation = 1
+            self.completed_at = now
             return True
         return False
 
@@ -385,17 +387,20 @@ class JobState:
         member.last_seen = now
 
     def expired(self, now: float, timeout_s: float) -> list[int]:
-        """Ranks that heartbeat, have not left or failed, and sent none within timeout_s.
+        """Ranks that have not left or failed and show no sign of life within timeout_s:
 
-        Calls in flight do not count as signs of life: a silently partitioned rank's barrier
-        call stays open on this side until TCP gives up, long after the liveness bound.
+        - a rank that heartbeats, silent for timeout_s (calls in flight do not count: a silently
+          partitioned rank's barrier call stays open on this side until TCP gives up);
+        - once the job uses heartbeats, a rank that never sent one within timeout_s after the
+          rendezvous completed (it died while joining, so nothing else would ever notice).
+        Jobs of bare clients (no heartbeats at all) are never expired.
         """
-        return [
-            m.rank
-            for m in self.members.values()
-            if m.state is MemberState.JOINED and m.last_heartbeat is not None and now - m.last_heartbeat > timeout_s
-        ]
-
+        joined = [m for m in self.members.values() if m.state is MemberState.JOINED]
+        out = [m.rank for m in joined if m.last_heartbeat is not None and now - m.last_heartbeat > timeout_s]
+        if self.completed_at is not None and now - self.completed_at > timeout_s and \
+                any(m.last_heartbeat is not None for m in self.members.values()):
+            out.extend(m.rank for m in joined if m.last_heartbeat is None and m.active_calls == 0)
+        return sorted(out)
 
 class Mailbox:
     """Host-backend messages held by the coordinator, with a bound on the bytes held.

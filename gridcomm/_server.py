@@ -426,8 +426,9 @@ class _Servicer(pb_grpc.CoordinatorServicer):
             await asyncio.sleep(period)
             for rank in self._state.expired(self._now(), timeout):
                 member = self._state.members[rank]
-                self._fail(rank, f"rank {rank} on {member.hostname or '?'} sent no heartbeat for {timeout:g} s "
-                           "(hung, partitioned, or overloaded)")
+                why = ("never started heartbeating after the rendezvous (died while joining?)"
+                       if member.last_heartbeat is None else "(hung, partitioned, or overloaded)")
+                self._fail(rank, f"rank {rank} on {member.hostname or '?'} sent no heartbeat for {timeout:g} s {why}")
 
     @_handler
     async def ReportFailure(

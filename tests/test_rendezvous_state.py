@@ -177,5 +177,17 @@ def test_expired_counts_only_heartbeats_of_ranks_that_send_them():
     state.members[1].active_calls = 1  # an open barrier call is no sign of life
     state.heartbeat(2, now=1.0)
     state.leave(2, now=2.0)
-    # Rank 3 never heartbeats (a bare client): liveness is not tracked for it.
-    assert state.expired(now=10.0, timeout_s=5.0) == [1]
+    # Rank 3 never heartbeats while the others do: it counts as silent since the rendezvous.
+    assert state.expired(now=10.0, timeout_s=5.0) == [1, 3]
+
+
+def test_a_rank_that_never_heartbeats_expires_once_the_job_uses_heartbeats():
+    state = joined(3, now=0.0)
+    state.completed_at = 0.0
+    assert state.expired(now=10.0, timeout_s=5.0) == []  # bare clients: nobody heartbeats
+    state.heartbeat(0, now=9.0)
+    state.heartbeat(1, now=9.0)
+    # Rank 2 died while joining: it never heartbeats and is not in a call.
+    assert state.expired(now=10.0, timeout_s=5.0) == [2]
+    state.members[2].active_calls = 1  # ...unless it is still in a call (e.g. its join)
+    assert state.expired(now=10.0, timeout_s=5.0) == []
