@@ -111,8 +111,9 @@ def init_process_group(
                     pass
             client.close()
         if coordinator is not None:
-            # Why: before the rendezvous completed nobody needs rank 0's server any longer.
-            coordinator.stop(grace_s=min(5.0, wait_s) if coordinator.state.complete else 0.0)
+            # Why a grace: the other joiners should get their answer (who is missing) before the
+            # server goes; stop() returns as soon as none of them has a call in flight.
+            coordinator.stop(grace_s=min(5.0, wait_s))
         raise
     log.info("rank %d of %d: %s communicator ready in %.3f s", my_rank, world_size, kind, time.monotonic() - started)
     comm = Communicator(impl, client, coordinator=coordinator, grace_s=min(60.0, wait_s), watcher=watcher,

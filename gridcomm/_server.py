@@ -765,6 +765,17 @@ class Coordinator:
         """Waits until every rank has left (or failed); returns False at the timeout."""
         return self._all_left.wait(timeout_s)
 
+    def _wait_idle(self, timeout_s: float) -> None:
+        """Waits (bounded) until nobody needs this server any more: every rank left or failed, or,
+        before the rendezvous completed, no rank has a call in flight (the joiners got their answer)."""
+        deadline = time.monotonic() + timeout_s
+        state = self.state
+        while not self._all_left.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                return
+            if not state.complete and not any(m.active_calls for m in list(state.members.values())):
+                return
+
     def _stop_at_exit(self) -> None:
         self.stop(grace_s=self.exit_grace_s)
 
@@ -774,7 +785,7 @@ class Coordinator:
         if self._thread is None or self._loop is None or self._stopped.is_set():
             return
         if grace_s > 0:
-            self.wait_all_left(grace_s)
+            self._wait_idle(grace_s)
         loop, stop = self._loop, self._stop_requested
         if stop is not None:
             try:
