@@ -426,9 +426,10 @@ class _Servicer(pb_grpc.CoordinatorServicer):
             await asyncio.sleep(period)
             for rank in self._state.expired(self._now(), timeout):
                 member = self._state.members[rank]
-                why = ("never started heartbeating after the rendezvous (died while joining?)"
-                       if member.last_heartbeat is None else "(hung, partitioned, or overloaded)")
-                self._fail(rank, f"rank {rank} on {member.hostname or '?'} sent no heartbeat for {timeout:g} s {why}")
+                why = ("sent no heartbeat within {t:g} s of the rendezvous (died while joining?)"
+                       if member.last_heartbeat is None else
+                       "sent no heartbeat for {t:g} s (hung, partitioned, or overloaded)").format(t=timeout)
+                self._fail(rank, f"rank {rank} on {member.hostname or '?'} {why}")
 
     @_handler
     async def ReportFailure(
