@@ -58,19 +58,21 @@ class HostBackend:
             try:
                 self._client.put(key, _bytes(array), readers)
             except GridcommError as exc:
-                raise self._failure or coordinator_lost(exc, self.coordinator_rank) from exc
+                raise self._cause(exc) from exc
 
     def _take(self, key: str, out: Any) -> None:
-        try:
-            self._client.take(key, out=_bytes(out))
-        except GridcommError as exc:
-            raise self._failure or coordinator_lost(exc, self.coordinator_rank) from exc
+        self._take_bytes(key, _bytes(out))
 
     def _take_bytes(self, key: str, out: memoryview) -> None:
         try:
             self._client.take(key, out=out)
         except GridcommError as exc:
-            raise self._failure or coordinator_lost(exc, self.coordinator_rank) from exc
+            raise self._cause(exc) from exc
+
+    def _cause(self, exc: GridcommError) -> Exception:
+        """What a failed transfer raises: the failure the watcher reported, if any, else the
+        transfer's own error (a lost coordinator named as its host rank's failure)."""
+        return self._failure or coordinator_lost(exc, self.coordinator_rank)
 
     def _reduce_to(self, tag: str, root: int, in_array: Any, op: str) -> np.ndarray | None:
         """Every rank's in_array reduced on ``root`` in rank order; None on other ranks."""

@@ -187,16 +187,14 @@ class NcclBackend:
 
     @_validate.reports_invalid
     def send(self, array: Any, peer: int, stream: Any = None) -> None:
-        _validate.check_array("send", "array", array)
+        nccl_type, count = self._typed(array, "send", "array")  # the shared checks, array first
         peer = _validate.peer("send", peer, self.rank, self.world_size)
-        nccl_type, count = self._typed(array, "send", "array")
         self._comm.send(array.data.ptr, count, nccl_type, peer, self._stream(stream))
 
     @_validate.reports_invalid
     def recv(self, out_array: Any, peer: int, stream: Any = None) -> None:
-        _validate.check_array("recv", "out_array", out_array)
+        nccl_type, count = self._typed(out_array, "recv", "out_array")  # the shared checks, array first
         peer = _validate.peer("recv", peer, self.rank, self.world_size)
-        nccl_type, count = self._typed(out_array, "recv", "out_array")
         self._comm.recv(out_array.data.ptr, count, nccl_type, peer, self._stream(stream))
 
     @_validate.reports_invalid

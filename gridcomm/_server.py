@@ -10,7 +10,6 @@ import asyncio
 import atexit
 import hmac
 import logging
-import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -801,6 +800,3 @@ class Coordinator:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-
-def hostname() -> str:
-    return socket.gethostname()
