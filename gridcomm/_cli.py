@@ -13,7 +13,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gridcomm import _config
-from gridcomm._client import channel_options, fetch_status
+from gridcomm._channel import channel_options
+from gridcomm._client import fetch_status
 from gridcomm._errors import GridcommError
 from gridcomm._server import Coordinator
 

@@ -1,6 +1,8 @@
 """The coordinator client: a synchronous gRPC client with a deadline on every call.
 
-No thread is started per client: calls run on the caller's thread and gRPC's own core. Long
+No thread is started per client: calls run on the caller's thread and gRPC's own core, or, for
+join, set, get, barrier and leave, travel on the process's Session stream (see
+:mod:`gridcomm._session`; unary RPCs when GRIDCOMM_SESSION=off or when the stream breaks). Long
 waits are made of bounded slices so progress is logged ("waiting for 3 of 64 ranks: [5, 17, 40]")
 and no single call outlives its deadline. Transient UNAVAILABLE is retried by the channel's
 retry policy (jittered exponential backoff); the first contact waits for the channel to be
@@ -9,7 +11,6 @@ ready, so a coordinator DNS name that does not resolve yet is retried until the 
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import socket
@@ -19,7 +20,8 @@ from typing import Any, TypeVar
 
 import grpc
 
-from gridcomm import _config
+from gridcomm import _config, _session
+from gridcomm._channel import make_channel
 from gridcomm._errors import (
     AuthenticationError,
     CommAborted,
@@ -31,7 +33,7 @@ from gridcomm._errors import (
 )
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
-from gridcomm._server import CHUNK_BYTES, FAILED_KEY, MAX_MESSAGE_BYTES, MISSING_KEY, SERVICE_NAME
+from gridcomm._server import CHUNK_BYTES, FAILED_KEY, MISSING_KEY
 
 log = logging.getLogger(__name__)
 
@@ -61,67 +63,8 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[GridcommError]] = {
     grpc.StatusCode.CANCELLED: CommAborted,
 }
 
-_SERVICE_CONFIG = json.dumps(
-    {
-        "methodConfig": [
-            {
-                # Unary calls only: a streaming transfer (Put, Take) that fails midway is not
-                # re-sent by the channel; the host backend sees the error and the failure path.
-                "name": [{"service": SERVICE_NAME, "method": m} for m in
-                         ("Join", "Set", "Get", "Barrier", "Heartbeat", "ReportFailure", "Leave", "Status")],
-                "retryPolicy": {
-                    "maxAttempts": 5,
-                    "initialBackoff": "0.1s",
-                    "maxBackoff": "1s",
-                    "backoffMultiplier": 2,
-                    "retryableStatusCodes": ["UNAVAILABLE"],
-                },
-            }
-        ]
-    }
-)
-
-
-def channel_options() -> list[tuple[str, Any]]:
-    return [
-        # Why: simulated ranks in one process must not share one connection (~2,000 parked calls
-        # over one channel failed here).
-        ("grpc.use_local_subchannel_pool", 1),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        # Why generous: liveness comes from heartbeats and connection loss, not keepalive; an
-        # overloaded peer (thousands of ranks on few cores) must not be cut off for a slow ping ack.
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 20_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1_000),
-        # Why: pod DNS can lag; the default waits 30 s between resolutions.
-        ("grpc.dns_min_time_between_resolutions_ms", 500),
-        ("grpc.enable_retries", 1),
-        ("grpc.service_config", _SERVICE_CONFIG),
-    ]
-
-
-def channel_credentials(tls: _config.TlsFiles) -> grpc.ChannelCredentials:
-    cert, key = tls.client_pair()
-    return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=key, certificate_chain=cert)
-
-
-def secure_options(tls: _config.TlsFiles | None) -> list[tuple[str, Any]]:
-    options = channel_options()
-    if tls is not None and tls.server_name:
-        options.append(("grpc.ssl_target_name_override", tls.server_name))
-    return options
-
-
-def make_channel(target: str, tls: _config.TlsFiles | None) -> grpc.Channel:
-    """A synchronous channel to the coordinator: TLS when configured, else plaintext."""
-    if tls is None:
-        return grpc.insecure_channel(target, options=channel_options())
-    return grpc.secure_channel(target, channel_credentials(tls), options=secure_options(tls))
+#: The unary RPC that does what each Session operation does.
+_UNARY = {"join": "Join", "set": "Set", "get": "Get", "barrier": "Barrier", "leave": "Leave"}
 
 
 def _metadata_value(error: grpc.RpcError, key: str) -> str | None:
@@ -197,6 +140,7 @@ class CoordinatorClient:
         job_id: str | None = None,
         hostname: str | None = None,
         tls: _config.TlsFiles | None = None,
+        session: str | None = None,
     ) -> None:
         self.world_size = _config.world_size(world_size)
         self.rank = _config.rank(rank, self.world_size)
@@ -213,8 +157,13 @@ class CoordinatorClient:
         secret = _config.token(token)
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {secret}"),) if secret else ()
         self.tls = tls if tls is not None else _config.tls()
-        self._channel: grpc.Channel | None = make_channel(self.target, self.tls)
-        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self.session_mode = _config.session_mode(session)
+        #: The unary channel, opened on first use (a client whose calls all travel on the
+        #: Session stream never opens a connection of its own).
+        self._channel: grpc.Channel | None = None
+        self._stub_: pb_grpc.CoordinatorStub | None = None
+        self._session: _session.Session | None = None
+        self._closed = False
         self._barrier_seq: dict[str, int] = {}
         self._caller_key: tuple[str, int, int, int] | None = None
         #: Streaming calls in flight (cancelled by cancel_inflight on a failure).
@@ -239,13 +188,40 @@ class CoordinatorClient:
                                      generation=self.generation)
         return self._caller
 
+    @property
+    def _stub(self) -> pb_grpc.CoordinatorStub:
+        if self._closed:
+            raise CommAborted(f"rank {self.rank}: this client was closed.")
+        if self._stub_ is None:
+            self._channel = make_channel(self.target, self.tls)
+            self._stub_ = pb_grpc.CoordinatorStub(self._channel)
+        return self._stub_
+
     def _call(self, method: Callable[..., _T], request: Any, what: str, timeout_s: float, *, wait_for_ready: bool = False) -> _T:
-        if self._channel is None:
+        if self._closed:
             raise CommAborted(f"{what}: this client was closed.")
         try:
             return method(request, timeout=timeout_s, metadata=self._metadata, wait_for_ready=wait_for_ready)
         except grpc.RpcError as exc:
             raise translate(exc, what, self.target) from exc
+
+    def _op(self, kind: str, request: Any, what: str, timeout_s: float, *, wait_for_ready: bool = False) -> Any:
+        """One coordinator operation: on the Session stream where there is one, else (or when
+        the stream breaks; every operation is idempotent) as its unary RPC."""
+        if self._closed:
+            raise CommAborted(f"{what}: this client was closed.")
+        if self.session_mode != "off":
+            if self._session is None:
+                self._session = _session.acquire(self.target, self.tls, self._metadata,
+                                                 self if self.session_mode == "client" else None)
+            try:
+                return self._session.call(kind, request, timeout_s)
+            except _session.OpError as exc:
+                raise translate(exc, what, self.target) from None
+            except _session.StreamBroken as exc:
+                log.debug("rank %d: %s; repeating %s as a unary call", self.rank, exc, kind)
+        method = getattr(self._stub, _UNARY[kind])
+        return self._call(method, request, what, timeout_s, wait_for_ready=wait_for_ready)
 
     def _long_poll(self, what: str, timeout_s: float | None, attempt: Callable[[float, float], _T],
                    progress: Callable[[list[int]], str], *, first_contact: bool = False) -> _T:
@@ -283,7 +259,7 @@ class CoordinatorClient:
                 job_id=self.job_id, rank=self.rank, world_size=self.world_size,
                 incarnation=self.incarnation, hostname=self.hostname, wait_s=wait_s,
             )
-            return self._call(self._stub.Join, request, f"rank {self.rank}: join", call_s, wait_for_ready=True)
+            return self._op("join", request, f"rank {self.rank}: join", call_s, wait_for_ready=True)
 
         response = self._long_poll(
             f"rank {self.rank} of {self.world_size}: join", timeout_s, attempt,
@@ -302,7 +278,7 @@ class CoordinatorClient:
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise ConfigError(f"value for key {key!r} must be bytes, not {type(value).__name__}.")
         request = pb.SetRequest(caller=self.caller, key=key, value=bytes(value))
-        self._call(self._stub.Set, request, f"rank {self.rank}: set {key!r}", SHORT_CALL_S + len(value) / 50e6)
+        self._op("set", request, f"rank {self.rank}: set {key!r}", SHORT_CALL_S + len(value) / 50e6)
 
     def get(self, key: str, timeout_s: float | None = None) -> bytes:
         """Returns the value under ``key``, waiting until some rank sets it or the deadline passes."""
@@ -311,7 +287,7 @@ class CoordinatorClient:
 
         def attempt(wait_s: float, call_s: float) -> pb.GetResponse:
             request = pb.GetRequest(caller=self.caller, key=key, wait_s=wait_s)
-            return self._call(self._stub.Get, request, f"rank {self.rank}: get {key!r}", call_s)
+            return self._op("get", request, f"rank {self.rank}: get {key!r}", call_s)
 
         return self._long_poll(f"rank {self.rank}: get {key!r}", timeout_s, attempt,
                                lambda missing: f"still waiting for key {key!r}").value
@@ -327,7 +303,7 @@ class CoordinatorClient:
 
         def attempt(wait_s: float, call_s: float) -> pb.BarrierResponse:
             request = pb.BarrierRequest(caller=self.caller, name=name, seq=seq, wait_s=wait_s, participants=participants)
-            return self._call(self._stub.Barrier, request, what, call_s)
+            return self._op("barrier", request, what, call_s)
 
         # Why: the seq advances even if this wait fails, since the coordinator recorded the arrival.
         self._barrier_seq[name] = seq
@@ -347,7 +323,7 @@ class CoordinatorClient:
 
         call_s = self.timeout_s if timeout_s is None else timeout_s
         what = f"rank {self.rank}: send {key!r}"
-        if self._channel is None:
+        if self._closed:
             raise CommAborted(f"{what}: this client was closed.")
         call = self._stub.Put.future(chunks(), timeout=call_s, metadata=self._metadata)
         self._inflight.add(call)
@@ -366,7 +342,7 @@ class CoordinatorClient:
         total = self.timeout_s if timeout_s is None else timeout_s
         what = f"rank {self.rank}: receive {key!r}"
         request = pb.TakeRequest(caller=self.caller, key=key, wait_s=total)
-        if self._channel is None:
+        if self._closed:
             raise CommAborted(f"{what}: this client was closed.")
         parts: list[bytes] = []
         received = 0
@@ -413,20 +389,24 @@ class CoordinatorClient:
 
     def leave(self) -> None:
         """Leaves the job cleanly (distinct from failing). Idempotent; closes the channel."""
-        if self._left or self._channel is None:
+        if self._left or self._closed:
             return
         try:
             if self._joined:
-                self._call(self._stub.Leave, pb.LeaveRequest(caller=self.caller), f"rank {self.rank}: leave", SHORT_CALL_S)
+                self._op("leave", pb.LeaveRequest(caller=self.caller), f"rank {self.rank}: leave", SHORT_CALL_S)
             self._left = True
         finally:
             self.close()
 
     def close(self) -> None:
         """Closes the channel without leaving (idempotent)."""
+        self._closed = True
         channel, self._channel = self._channel, None
         if channel is not None:
             channel.close()
+        session, self._session = self._session, None
+        if session is not None:
+            _session.release(session)
 
     def __enter__(self) -> CoordinatorClient:
         return self

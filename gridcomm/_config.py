@@ -225,6 +225,22 @@ def coordinator_mode(environ: Mapping[str, str] | None = None) -> str:
     return mode
 
 
+SESSION_MODES = ("process", "client", "off")
+
+
+def session_mode(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """How a client carries its waiting calls: ``process`` (default: one Session stream shared by
+    the process's clients), ``client`` (a stream per client) or ``off`` (unary RPCs only);
+    argument, then GRIDCOMM_SESSION."""
+    value = explicit
+    if value is None:
+        found = _first(_env(environ), ("GRIDCOMM_SESSION",))
+        value = found[1].strip().lower() if found else "process"
+    if value not in SESSION_MODES:
+        raise ConfigError(f"GRIDCOMM_SESSION={value!r} must be one of {', '.join(SESSION_MODES)}.")
+    return value
+
+
 def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         try:

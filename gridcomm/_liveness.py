@@ -1,6 +1,6 @@
-"""Liveness: one background thread per process, whatever the number of communicators.
+"""Liveness, on the process-wide background loop (:mod:`gridcomm._eventloop`).
 
-The thread runs an asyncio loop that hosts, for every communicator of this process, a watcher
+The loop hosts, for every communicator of this process, a watcher
 that long-polls the coordinator's Heartbeat (so the coordinator knows the rank is alive, and the
 rank learns of any failure at once), and the per-rank grpc.health.v1 server kubelet probes.
 When a watcher learns that a rank failed, or cannot reach the coordinator for the heartbeat
@@ -11,90 +11,27 @@ that may be spinning on the GPU).
 from __future__ import annotations
 
 import asyncio
-import atexit
-import concurrent.futures
 import logging
 import random
-import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gridcomm import _config
-from gridcomm._client import channel_credentials, secure_options, translate
+from gridcomm._channel import make_aio_channel
+from gridcomm._client import translate
 from gridcomm._errors import CoordinatorLost, CoordinatorUnavailable, GridcommError, RankFailedError
+from gridcomm._eventloop import current as _current_loop
+from gridcomm._eventloop import loop as _runtime
+from gridcomm._eventloop import run_soon, submit
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._server import SERVICE_NAME
 
 log = logging.getLogger(__name__)
-
-_lock = threading.Lock()
-_loop: asyncio.AbstractEventLoop | None = None
-
-
-def _runtime() -> asyncio.AbstractEventLoop:
-    """The process-wide loop, started on first use (never at import)."""
-    global _loop
-    with _lock:
-        if _loop is None or _loop.is_closed():
-            loop = asyncio.new_event_loop()
-            ready = threading.Event()
-
-            def run() -> None:
-                asyncio.set_event_loop(loop)
-                loop.call_soon(ready.set)
-                loop.run_forever()
-
-            threading.Thread(target=run, name="gridcomm-liveness", daemon=True).start()
-            if not ready.wait(10.0):
-                raise GridcommError("the gridcomm liveness thread did not start within 10 s.")
-            _loop = loop
-            atexit.register(_shutdown)
-        return _loop
-
-
-def _shutdown() -> None:
-    """At exit: end watchers and health servers properly (bounded), so the interpreter does not
-    freeze this thread mid-call with connections still open."""
-    loop = _loop
-    if loop is None or loop.is_closed():
-        return
-
-    async def cancel_all() -> None:
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=2.0)
-
-    try:
-        asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(3.0)
-    except Exception:  # noqa: BLE001 - best effort at exit
-        pass
-    loop.call_soon_threadsafe(loop.stop)
-
-
-def submit(coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
-    return asyncio.run_coroutine_threadsafe(coro, _runtime())
-
-
-def run_soon(coro: Coroutine[Any, Any, Any], timeout_s: float) -> None:
-    """Runs ``coro`` on the liveness loop: waits (bounded) from other threads, only schedules
-    from the loop's own thread (a failure handler), where waiting would deadlock."""
-    loop = _runtime()
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if running is loop:
-        asyncio.ensure_future(coro)
-    else:
-        asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
-
 
 def failure_error(failure: pb.Failure, observer: int) -> RankFailedError:
     when = time.strftime("%H:%M:%S", time.localtime(failure.at_unix_s)) if failure.at_unix_s else "?"
@@ -131,8 +68,9 @@ class Watcher:
         """Stops heartbeating (before a clean leave). Idempotent; bounded."""
         self._stopped = True
         task = self._task
-        if task is not None and _loop is not None and not _loop.is_closed():
-            _loop.call_soon_threadsafe(task.cancel)
+        running = _current_loop()
+        if task is not None and running is not None:
+            running.call_soon_threadsafe(task.cancel)
 
     def _report(self, error: GridcommError) -> None:
         if self._stopped:
@@ -144,11 +82,7 @@ class Watcher:
             log.exception("rank %d: the failure handler raised", self._caller.rank)
 
     async def _run(self) -> None:
-        options = secure_options(self._tls)
-        if self._tls is None:
-            channel = grpc.aio.insecure_channel(self._target, options=options)
-        else:
-            channel = grpc.aio.secure_channel(self._target, channel_credentials(self._tls), options=options)
+        channel = make_aio_channel(self._target, self._tls)
         stub = pb_grpc.CoordinatorStub(channel)
         interval = max(0.05, self._timeout_s / 3)
         last_ok = time.monotonic()

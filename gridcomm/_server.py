@@ -130,17 +130,23 @@ def _details(message: str) -> str:
     return message if len(message) <= MAX_DETAILS else message[: MAX_DETAILS - 15] + "... (truncated)"
 
 
-async def _refuse(context: grpc.aio.ServicerContext, name: str, exc: Exception) -> None:
-    """Answers a refused or failed call with a status and a readable message; always raises."""
+def _status_of(name: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """The status a refused or failed operation answers with: code, details, trailing metadata."""
     if isinstance(exc, _Abort):
-        await context.abort(exc.code, _details(exc.message), trailing_metadata=exc.metadata)
+        return exc.code, _details(exc.message), exc.metadata
     if isinstance(exc, StateError):
         metadata = ((FAILED_KEY, str(exc.failed_rank)),) if exc.failed_rank is not None else ()
-        await context.abort(_status_code(exc.code), _details(exc.message), trailing_metadata=metadata)
+        return _status_code(exc.code), _details(exc.message), metadata
+    log.exception("coordinator: %s failed on an unexpected error", name, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, _details(f"{name} failed inside the coordinator: {exc!r}"), ()
+
+
+async def _refuse(context: grpc.aio.ServicerContext, name: str, exc: Exception) -> None:
+    """Answers a refused or failed call with a status and a readable message; always raises."""
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
-    log.exception("coordinator: %s failed on an unexpected error", name, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"{name} failed inside the coordinator: {exc!r}")
+    code, details, metadata = _status_of(name, exc)
+    await context.abort(code, details, trailing_metadata=metadata)
 
 
 def _handler(method: Callable[..., Awaitable[_T]]) -> Callable[..., Awaitable[_T]]:
@@ -162,6 +168,7 @@ def _handler(method: Callable[..., Awaitable[_T]]) -> Callable[..., Awaitable[_T
 
     wrapped.__name__ = name
     wrapped.__doc__ = method.__doc__
+    wrapped.__wrapped__ = method  # type: ignore[attr-defined]  # what a Session operation runs
     return wrapped
 
 
@@ -537,6 +544,14 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         for offset in range(0, len(data), CHUNK_BYTES):
             yield pb.Chunk(total_bytes=len(data), data=bytes(view[offset : offset + CHUNK_BYTES]))
 
+    async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        """Batched operations on one stream; each answers as its unary RPC would (see the proto)."""
+        try:
+            self._authenticate(context, "Session")
+        except Exception as exc:  # noqa: BLE001 - refused with a status, never a crash
+            await _refuse(context, "Session", exc)
+        await _ServerSession(self, context).serve()
+
     @_handler
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         state = self._state
@@ -555,6 +570,110 @@ class _Servicer(pb_grpc.CoordinatorServicer):
             uptime_s=now - state.started_at,
             serving=self._owner.serving,
         )
+
+
+class _OpContext:
+    """What a Session operation passes where a unary handler gets its call context: no call
+    deadline of its own (the operation's wait_s bounds every wait)."""
+
+    @staticmethod
+    def time_remaining() -> None:
+        return None
+
+
+#: The checks and logic a Session operation runs: the unary handler without its call wrapper.
+_SESSION_METHODS: dict[str, Callable[..., Awaitable[Any]]] = {
+    "join": _Servicer.Join.__wrapped__,  # type: ignore[attr-defined]
+    "set": _Servicer.Set.__wrapped__,  # type: ignore[attr-defined]
+    "get": _Servicer.Get.__wrapped__,  # type: ignore[attr-defined]
+    "barrier": _Servicer.Barrier.__wrapped__,  # type: ignore[attr-defined]
+    "leave": _Servicer.Leave.__wrapped__,  # type: ignore[attr-defined]
+}
+
+
+class _ServerSession:
+    """One Session stream: reads batches of operations, runs each as a task, and writes the
+    results that completed since the last write as one reply (so N waiters released together
+    cost one message per stream, not N calls)."""
+
+    def __init__(self, servicer: _Servicer, context: grpc.aio.ServicerContext) -> None:
+        self._servicer = servicer
+        self._context = context
+        self._results: list[pb.SessionResult] = []
+        self._ready = asyncio.Event()
+        self._closing = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        # Why a bound: a client that sends operations that never complete (gets of keys nobody
+        # sets) must not grow the coordinator without limit.
+        self._max_ops = max(1024, 2 * servicer._state.world_size + 64)
+
+    async def serve(self) -> None:
+        writer = asyncio.ensure_future(self._write())
+        try:
+            while True:
+                request = await self._context.read()
+                if request is grpc.aio.EOF:
+                    break
+                if request is _UNDECODABLE:
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                 "a Session request is not a valid gridcomm.v1.SessionRequest.")
+                for op in request.ops:
+                    self._start(op)
+            # The client is done sending: answer what is in flight (each op's wait is bounded).
+            while self._tasks:
+                await asyncio.wait(set(self._tasks))
+            self._closing = True
+            self._ready.set()
+            await writer
+        except Exception as exc:  # noqa: BLE001 - refused with a status, never a crash
+            await _refuse(self._context, "Session", exc)
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            writer.cancel()
+
+    def _answer(self, result: pb.SessionResult) -> None:
+        self._results.append(result)
+        self._ready.set()
+
+    def _refused(self, op_id: int, name: str, exc: Exception) -> pb.SessionResult:
+        code, details, metadata = _status_of(name, exc)
+        return pb.SessionResult(id=op_id, code=code.value[0], details=details,
+                                metadata=[pb.MetadataEntry(key=k, value=v) for k, v in metadata])
+
+    def _start(self, op: pb.SessionOp) -> None:
+        kind = op.WhichOneof("op")
+        if kind is None:
+            self._answer(self._refused(op.id, "Session", _Abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"Session operation {op.id} names no operation.")))
+            return
+        if len(self._tasks) >= self._max_ops:
+            self._answer(self._refused(op.id, f"Session {kind}", _Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{kind} refused: this Session stream already has {len(self._tasks)} operations waiting.")))
+            return
+        task = asyncio.ensure_future(self._run(op.id, kind, getattr(op, kind)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, op_id: int, kind: str, request: Any) -> None:
+        try:
+            reply = await _SESSION_METHODS[kind](self._servicer, request, _OpContext)
+        except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
+            self._answer(self._refused(op_id, f"Session {kind}", exc))
+            return
+        self._answer(pb.SessionResult(id=op_id, **{kind: reply}))
+
+    async def _write(self) -> None:
+        while True:
+            if not self._results:
+                if self._closing:
+                    return
+                await self._ready.wait()
+                self._ready.clear()
+                continue
+            batch, self._results = self._results, []
+            await self._context.write(pb.SessionReply(results=batch))
 
 
 def _settle(fut: asyncio.Future[None]) -> None:

@@ -21,7 +21,10 @@ LAYERS = {
     "_cluster": 1,
     "_rendezvous": 2,
     "_proto": 2,
+    "_eventloop": 1,
     "_server": 3,
+    "_channel": 3.5,
+    "_session": 3.7,
     "_client": 4,
     "_liveness": 4.5,
     "_validate": 5,
@@ -36,7 +39,7 @@ LAYERS = {
     "__main__": 10,
 }
 # Modules that may import grpc; the NCCL backend must not, and the control plane never imports cupy.
-GRPC_FREE = {"_errors", "_config", "_rendezvous", "_nccl", "_validate"}
+GRPC_FREE = {"_errors", "_config", "_eventloop", "_rendezvous", "_nccl", "_validate"}
 CUPY_ALLOWED = {"_nccl", "_comm", "_api", "_demo", "_launch"}
 
 

@@ -236,3 +236,61 @@ class TakeRequest(_message.Message):
     key: str
     wait_s: float
     def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class SessionOp(_message.Message):
+    __slots__ = ("id", "join", "set", "get", "barrier", "leave")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIELD_NUMBER: _ClassVar[int]
+    SET_FIELD_NUMBER: _ClassVar[int]
+    GET_FIELD_NUMBER: _ClassVar[int]
+    BARRIER_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    join: JoinRequest
+    set: SetRequest
+    get: GetRequest
+    barrier: BarrierRequest
+    leave: LeaveRequest
+    def __init__(self, id: _Optional[int] = ..., join: _Optional[_Union[JoinRequest, _Mapping]] = ..., set: _Optional[_Union[SetRequest, _Mapping]] = ..., get: _Optional[_Union[GetRequest, _Mapping]] = ..., barrier: _Optional[_Union[BarrierRequest, _Mapping]] = ..., leave: _Optional[_Union[LeaveRequest, _Mapping]] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("ops",)
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    ops: _containers.RepeatedCompositeFieldContainer[SessionOp]
+    def __init__(self, ops: _Optional[_Iterable[_Union[SessionOp, _Mapping]]] = ...) -> None: ...
+
+class MetadataEntry(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: str
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+
+class SessionResult(_message.Message):
+    __slots__ = ("id", "code", "details", "metadata", "join", "set", "get", "barrier", "leave")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIELD_NUMBER: _ClassVar[int]
+    SET_FIELD_NUMBER: _ClassVar[int]
+    GET_FIELD_NUMBER: _ClassVar[int]
+    BARRIER_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    code: int
+    details: str
+    metadata: _containers.RepeatedCompositeFieldContainer[MetadataEntry]
+    join: JoinResponse
+    set: SetResponse
+    get: GetResponse
+    barrier: BarrierResponse
+    leave: LeaveResponse
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., join: _Optional[_Union[JoinResponse, _Mapping]] = ..., set: _Optional[_Union[SetResponse, _Mapping]] = ..., get: _Optional[_Union[GetResponse, _Mapping]] = ..., barrier: _Optional[_Union[BarrierResponse, _Mapping]] = ..., leave: _Optional[_Union[LeaveResponse, _Mapping]] = ...) -> None: ...
+
+class SessionReply(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SessionResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[SessionResult, _Mapping]]] = ...) -> None: ...

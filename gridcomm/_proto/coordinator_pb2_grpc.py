@@ -64,6 +64,11 @@ class CoordinatorStub(object):
                 request_serializer=gridcomm_dot___proto_dot_coordinator__pb2.TakeRequest.SerializeToString,
                 response_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.Chunk.FromString,
                 )
+        self.Session = channel.stream_stream(
+                '/gridcomm.v1.Coordinator/Session',
+                request_serializer=gridcomm_dot___proto_dot_coordinator__pb2.SessionRequest.SerializeToString,
+                response_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.SessionReply.FromString,
+                )
 
 
 class CoordinatorServicer(object):
@@ -139,6 +144,18 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """One long-lived stream per client process (or per client) that carries the calls above
+        which wait (Join, Get, Barrier) and the small ones (Set, Leave), batched: each request
+        message holds the operations gathered since the last one, each reply the results that
+        completed. An operation answers exactly as its unary RPC would (same checks, same status
+        and trailing metadata), so a client can fall back to the unary RPC at any time. The stream
+        is not a liveness signal; Heartbeat is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -191,6 +208,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Take,
                     request_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.TakeRequest.FromString,
                     response_serializer=gridcomm_dot___proto_dot_coordinator__pb2.Chunk.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.SessionRequest.FromString,
+                    response_serializer=gridcomm_dot___proto_dot_coordinator__pb2.SessionReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -369,5 +391,22 @@ class Coordinator(object):
         return grpc.experimental.unary_stream(request, target, '/gridcomm.v1.Coordinator/Take',
             gridcomm_dot___proto_dot_coordinator__pb2.TakeRequest.SerializeToString,
             gridcomm_dot___proto_dot_coordinator__pb2.Chunk.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(request_iterator, target, '/gridcomm.v1.Coordinator/Session',
+            gridcomm_dot___proto_dot_coordinator__pb2.SessionRequest.SerializeToString,
+            gridcomm_dot___proto_dot_coordinator__pb2.SessionReply.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

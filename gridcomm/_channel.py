@@ -1,0 +1,81 @@
+"""Channels to the coordinator: options, credentials, the unary retry policy (one place for the
+synchronous client and the background loop's streams)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+
+from gridcomm import _config
+from gridcomm._server import MAX_MESSAGE_BYTES, SERVICE_NAME
+
+_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                # Unary calls only: a streaming transfer (Put, Take) that fails midway is not
+                # re-sent by the channel; the host backend sees the error and the failure path.
+                "name": [{"service": SERVICE_NAME, "method": m} for m in
+                         ("Join", "Set", "Get", "Barrier", "Heartbeat", "ReportFailure", "Leave", "Status")],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+
+
+def channel_options() -> list[tuple[str, Any]]:
+    return [
+        # Why: simulated ranks in one process must not share one connection (~2,000 parked calls
+        # over one channel failed here).
+        ("grpc.use_local_subchannel_pool", 1),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        # Why generous: liveness comes from heartbeats and connection loss, not keepalive; an
+        # overloaded peer (thousands of ranks on few cores) must not be cut off for a slow ping ack.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1_000),
+        # Why: pod DNS can lag; the default waits 30 s between resolutions.
+        ("grpc.dns_min_time_between_resolutions_ms", 500),
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", _SERVICE_CONFIG),
+    ]
+
+
+def channel_credentials(tls: _config.TlsFiles) -> grpc.ChannelCredentials:
+    cert, key = tls.client_pair()
+    return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=key, certificate_chain=cert)
+
+
+def secure_options(tls: _config.TlsFiles | None) -> list[tuple[str, Any]]:
+    options = channel_options()
+    if tls is not None and tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    return options
+
+
+def make_channel(target: str, tls: _config.TlsFiles | None) -> grpc.Channel:
+    """A synchronous channel to the coordinator: TLS when configured, else plaintext."""
+    if tls is None:
+        return grpc.insecure_channel(target, options=channel_options())
+    return grpc.secure_channel(target, channel_credentials(tls), options=secure_options(tls))
+
+
+def make_aio_channel(target: str, tls: _config.TlsFiles | None) -> grpc.aio.Channel:
+    """An asyncio channel (on the background loop) with the same options and credentials."""
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=channel_options())
+    return grpc.aio.secure_channel(target, channel_credentials(tls), options=secure_options(tls))

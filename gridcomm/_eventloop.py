@@ -1,0 +1,90 @@
+"""The process-wide background event loop: one thread per process, whatever the number of
+communicators or clients.
+
+It hosts the liveness watchers and per-rank health servers (:mod:`gridcomm._liveness`) and the
+Session streams that carry coordinator calls (:mod:`gridcomm._session`). It starts on first use,
+never at import, and is wound down (bounded) at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import os
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+from gridcomm._errors import GridcommError
+
+_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+#: The process that started _loop: a forked child has the loop object but not its thread.
+_pid = 0
+
+
+def loop() -> asyncio.AbstractEventLoop:
+    """The process-wide loop, started on first use."""
+    global _loop, _pid
+    with _lock:
+        if _loop is None or _loop.is_closed() or _pid != os.getpid():
+            new = asyncio.new_event_loop()
+            ready = threading.Event()
+
+            def run() -> None:
+                asyncio.set_event_loop(new)
+                new.call_soon(ready.set)
+                new.run_forever()
+
+            threading.Thread(target=run, name="gridcomm-liveness", daemon=True).start()
+            if not ready.wait(10.0):
+                raise GridcommError("the gridcomm background thread did not start within 10 s.")
+            _loop, _pid = new, os.getpid()
+            atexit.register(_shutdown)
+        return _loop
+
+
+def current() -> asyncio.AbstractEventLoop | None:
+    """The loop if it runs, else None (never starts it)."""
+    running = _loop
+    return running if running is not None and not running.is_closed() and _pid == os.getpid() else None
+
+
+def _shutdown() -> None:
+    """At exit: end watchers, streams and health servers properly (bounded), so the interpreter
+    does not freeze this thread mid-call with connections still open."""
+    running = current()
+    if running is None:
+        return
+
+    async def cancel_all() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
+
+    try:
+        asyncio.run_coroutine_threadsafe(cancel_all(), running).result(3.0)
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+    running.call_soon_threadsafe(running.stop)
+
+
+def submit(coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+    return asyncio.run_coroutine_threadsafe(coro, loop())
+
+
+def run_soon(coro: Coroutine[Any, Any, Any], timeout_s: float) -> None:
+    """Runs ``coro`` on the loop: waits (bounded) from other threads, only schedules from the
+    loop's own thread (a failure handler), where waiting would deadlock."""
+    target = loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is target:
+        asyncio.ensure_future(coro)
+    else:
+        asyncio.run_coroutine_threadsafe(coro, target).result(timeout_s)

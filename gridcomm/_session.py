@@ -1,0 +1,249 @@
+"""Session streams: the coordinator calls that wait (join, get, barrier) and the small ones (set,
+leave), carried over one long-lived gRPC stream instead of one unary call each.
+
+Why: on the coordinator a unary call costs a few hundred microseconds of Python in gRPC's asyncio
+layer before our handler runs; one message on an open stream costs a small fraction of that, and
+operations that arrive together travel as one message. By default every client of a process that
+dials the same coordinator with the same credentials shares one stream (GRIDCOMM_SESSION=process);
+``client`` gives each client its own stream and ``off`` uses the unary RPCs only.
+
+The stream lives on the process-wide background loop (:mod:`gridcomm._eventloop`): no thread per
+client. A calling thread queues its operation and waits, bounded, for its result. Every operation
+is idempotent (barrier arrivals carry a sequence number, joins an incarnation), so when the stream
+breaks the client repeats the operation as a unary call; when no answer comes in time the caller
+sees what a unary call's deadline would have given it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+from typing import Any
+
+import grpc
+
+from gridcomm import _config, _eventloop
+from gridcomm._channel import make_aio_channel
+from gridcomm._proto import coordinator_pb2 as pb
+from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class OpError(grpc.RpcError):
+    """An operation answered with a status other than OK, shaped like a failed unary call so the
+    client's one translation table reads it."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(details)
+        self._code = code
+        self._details = details
+        self._metadata = metadata
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+
+class StreamBroken(Exception):
+    """The stream ended (or cannot be used) before the operation was answered; its outcome is
+    unknown and the caller repeats it as a unary call."""
+
+
+class _Waiter:
+    __slots__ = ("event", "result", "broken")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.result: pb.SessionResult | None = None
+        self.broken: str | None = None
+
+
+class Session:
+    """One Session stream to one coordinator. ``call`` runs on any thread but the loop's; the
+    rest runs on the loop."""
+
+    def __init__(self, key: tuple[Any, ...], target: str, tls: _config.TlsFiles | None,
+                 metadata: tuple[tuple[str, str], ...]) -> None:
+        self._key = key
+        self._target = target
+        self._tls = tls
+        self._metadata = metadata
+        self._loop = _eventloop.loop()
+        self._ids = itertools.count(1)
+        self._waiters: dict[int, _Waiter] = {}
+        self.users = 0
+        #: Set when the coordinator does not serve Session (an older one): unary calls only.
+        self.unsupported: str | None = None
+        # Loop-thread state.
+        self._outbox: list[pb.SessionOp] = []
+        self._channel: grpc.aio.Channel | None = None
+        self._call: Any = None
+        self._has_work: asyncio.Event | None = None
+        self._sent: set[int] = set()
+
+    # ------------------------------------------------------------------ calling threads
+    def call(self, kind: str, request: Any, timeout_s: float) -> Any:
+        """Runs one operation; returns the unary RPC's response message. Raises :class:`OpError`
+        (the operation's status, or DEADLINE_EXCEEDED when no answer came within ``timeout_s``)
+        or :class:`StreamBroken`."""
+        if self.unsupported is not None:
+            raise StreamBroken(self.unsupported)
+        op_id = next(self._ids)
+        waiter = _Waiter()
+        self._waiters[op_id] = waiter
+        op = pb.SessionOp(id=op_id, **{kind: request})
+        try:
+            self._loop.call_soon_threadsafe(self._enqueue, op)
+        except RuntimeError as exc:  # the loop is closed (interpreter exit)
+            self._waiters.pop(op_id, None)
+            raise StreamBroken(f"the background loop is closed: {exc}") from exc
+        if not waiter.event.wait(max(0.0, timeout_s)):
+            self._waiters.pop(op_id, None)
+            raise OpError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        if waiter.broken is not None:
+            raise StreamBroken(waiter.broken)
+        result = waiter.result
+        assert result is not None
+        if result.code:
+            raise OpError(_CODES.get(result.code, grpc.StatusCode.UNKNOWN), result.details,
+                          tuple((m.key, m.value) for m in result.metadata))
+        return getattr(result, kind)
+
+    # ------------------------------------------------------------------ loop thread
+    def _enqueue(self, op: pb.SessionOp) -> None:
+        self._outbox.append(op)
+        if self._call is None:
+            self._open()
+        assert self._has_work is not None
+        self._has_work.set()
+
+    def _open(self) -> None:
+        if self._channel is None:
+            self._channel = make_aio_channel(self._target, self._tls)
+        # Why wait_for_ready: a coordinator that is not up yet (or a name that does not resolve
+        # yet) is waited for; each operation's own timeout bounds the wait.
+        call = pb_grpc.CoordinatorStub(self._channel).Session(metadata=self._metadata, wait_for_ready=True)
+        self._call = call
+        self._has_work = has_work = asyncio.Event()
+        self._sent = set()
+        asyncio.ensure_future(self._write(call, has_work))
+        asyncio.ensure_future(self._read(call))
+
+    async def _write(self, call: Any, has_work: asyncio.Event) -> None:
+        try:
+            while self._call is call:
+                await has_work.wait()
+                has_work.clear()
+                batch, self._outbox = self._outbox, []
+                if batch:
+                    self._sent.update(op.id for op in batch)
+                    await call.write(pb.SessionRequest(ops=batch))
+        except asyncio.CancelledError:
+            self._broken(call, "cancelled")
+            raise
+        except Exception as exc:  # noqa: BLE001 - every error ends this stream; ops fall back
+            self._broken(call, _why(exc))
+
+    async def _read(self, call: Any) -> None:
+        why = "the coordinator ended the stream"
+        try:
+            async for reply in call:
+                for result in reply.results:
+                    self._sent.discard(result.id)
+                    waiter = self._waiters.pop(result.id, None)
+                    if waiter is not None:
+                        waiter.result = result
+                        waiter.event.set()
+        except asyncio.CancelledError:
+            self._broken(call, "cancelled")
+            raise
+        except grpc.aio.AioRpcError as exc:
+            why = _why(exc)
+            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                self.unsupported = f"the coordinator at {self._target} does not serve Session streams"
+        except Exception as exc:  # noqa: BLE001 - every error ends this stream; ops fall back
+            why = _why(exc)
+        self._broken(call, why)
+
+    def _broken(self, call: Any, why: str) -> None:
+        """Ends this stream: the operations it carried, or still queued for it, fall back."""
+        if self._call is not call:
+            return
+        self._call = None
+        call.cancel()
+        if self._has_work is not None:
+            self._has_work.set()  # ends this stream's writer
+        lost = self._sent | {op.id for op in self._outbox}
+        self._sent, self._outbox = set(), []
+        for op_id in lost:
+            waiter = self._waiters.pop(op_id, None)
+            if waiter is not None:
+                waiter.broken = f"the Session stream to {self._target} ended: {why}"
+                waiter.event.set()
+        if lost:
+            log.debug("session to %s ended with %d operations in flight: %s", self._target, len(lost), why)
+
+    async def close(self) -> None:
+        call, self._call = self._call, None
+        if self._has_work is not None:
+            self._has_work.set()  # ends the writer
+        if call is not None:
+            try:
+                await asyncio.wait_for(call.done_writing(), 1.0)
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+            call.cancel()
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return repr(exc)
+
+
+_lock = threading.Lock()
+_sessions: dict[tuple[Any, ...], Session] = {}
+
+
+def acquire(target: str, tls: _config.TlsFiles | None, metadata: tuple[tuple[str, str], ...],
+            owner: object | None = None) -> Session:
+    """The Session for this coordinator and credentials (shared by the process's clients, or
+    ``owner``'s own); pair with :func:`release`."""
+    key: tuple[Any, ...] = (os.getpid(), target, tls, metadata,
+                            id(owner) if owner is not None else None)
+    with _lock:
+        session = _sessions.get(key)
+        if session is None:
+            session = _sessions[key] = Session(key, target, tls, metadata)
+        session.users += 1
+        return session
+
+
+def release(session: Session) -> None:
+    """Drops one user; the last one closes the stream and its channel."""
+    with _lock:
+        session.users -= 1
+        if session.users > 0:
+            return
+        if _sessions.get(session._key) is session:
+            del _sessions[session._key]
+    running = _eventloop.current()
+    if running is not None:
+        try:
+            asyncio.run_coroutine_threadsafe(session.close(), running)
+        except RuntimeError:
+            pass  # the loop closed meanwhile (interpreter exit)
