@@ -118,6 +118,9 @@ class JobState:
         self.mailbox = Mailbox(self.limits.max_mailbox_bytes)
         self.left_count = 0
         self.completed_at: float | None = None
+        #: Every rank, as one shared tuple: an arrival at a whole-job barrier compares it by
+        #: identity, keeping the arrival O(1) rather than O(world size).
+        self._everyone = tuple(range(world_size))
 
     # ----------------------------------------------------------------- join and identity
     @property
@@ -262,14 +265,14 @@ class JobState:
         members = self._participants(name, rank, participants)
         # Why membership is checked before the barrier is opened: a refused arrival must leave
         # no trace (it would otherwise fix the group for the ranks that come after it).
-        if rank not in (members if len(members) != self.world_size else range(self.world_size)):
+        if rank not in (members if members is not self._everyone else range(self.world_size)):
             raise StateError(INVALID_ARGUMENT, f"rank {rank} is not a participant of barrier {quote(name)}.")
         barrier = self.barriers.get(name)
         if barrier is None:
             if len(self.barriers) >= self.limits.max_barrier_names:
                 raise StateError(RESOURCE_EXHAUSTED, f"{len(self.barriers)} barrier names are in use, the limit.")
             barrier = self.barriers[name] = _Barrier(arrived=[0] * self.world_size, members=members)
-        elif members != barrier.members:
+        elif members is not barrier.members and members != barrier.members:
             raise StateError(
                 INVALID_ARGUMENT,
                 f"rank {rank} arrived at barrier {quote(name)} for ranks {list(members)[:16]}, but it was "
@@ -298,8 +301,10 @@ class JobState:
 
     def _participants(self, name: str, rank: int, participants: Sequence[int]) -> tuple[int, ...]:
         if not participants:
-            return tuple(range(self.world_size))
+            return self._everyone
         members = tuple(participants)
+        if members == self._everyone:
+            return self._everyone
         if list(members) != sorted(set(members)) or members[0] < 0 or members[-1] >= self.world_size:
             raise StateError(
                 INVALID_ARGUMENT,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import hmac
 import logging
 import threading
@@ -172,6 +173,18 @@ def _handler(method: Callable[..., Awaitable[_T]]) -> Callable[..., Awaitable[_T
     return wrapped
 
 
+@dataclasses.dataclass
+class _Parked:
+    """An operation that has to wait: for what (key, done), and how it is answered."""
+
+    member: Member
+    key: tuple[Any, ...]
+    done: Callable[[], bool]
+    what: str
+    response: Callable[[], Any]
+    timed_out: Callable[[], Exception]
+
+
 class _Servicer(pb_grpc.CoordinatorServicer):
     def __init__(self, owner: Coordinator) -> None:
         self._owner = owner
@@ -221,6 +234,28 @@ class _Servicer(pb_grpc.CoordinatorServicer):
                 if not fut.done():
                     fut.set_result(None)
 
+    def _budget(self, wait_s: float, remaining_call: float | None) -> float:
+        """How long a wait may last: what the caller asked, bounded."""
+        # Why: wait_s comes off the wire; NaN, negative or absurd values must not hang or crash.
+        budget = wait_s if wait_s == wait_s and wait_s > 0 else 0.0
+        budget = min(budget, self._owner.max_wait_s)
+        if remaining_call is not None:
+            budget = min(budget, remaining_call - _ANSWER_MARGIN_S)
+        return max(0.0, budget)
+
+    async def _finish(self, parked: _Parked, wait_s: float, context: Any) -> Any:
+        """Waits (bounded) for a parked operation and answers it as its RPC does."""
+        member = parked.member
+        member.active_calls += 1
+        try:
+            ok = await self._wait(parked.key, parked.done, wait_s, context, parked.what)
+        finally:
+            member.active_calls -= 1
+            member.last_seen = self._now()
+        if not ok:
+            raise parked.timed_out()
+        return parked.response()
+
     async def _wait(
         self,
         key: tuple[Any, ...],
@@ -233,13 +268,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
     ) -> bool:
         """Waits until ``done()``, a failure (raised when ``fail_fast``), or the bounded wait
         ends; returns ``done()``."""
-        remaining_call = context.time_remaining()
-        # Why: wait_s comes off the wire; NaN, negative or absurd values must not hang or crash.
-        budget = wait_s if wait_s == wait_s and wait_s > 0 else 0.0
-        budget = min(budget, self._owner.max_wait_s)
-        if remaining_call is not None:
-            budget = min(budget, remaining_call - _ANSWER_MARGIN_S)
-        deadline = self._loop.time() + max(0.0, budget)
+        deadline = self._loop.time() + self._budget(wait_s, context.time_remaining())
         while True:
             # Why done() first: what already completed (a message delivered, a barrier passed)
             # is still handed out after a failure; only waiting is refused.
@@ -338,24 +367,27 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         self._wake(("kv", request.key))
         return pb.SetResponse()
 
-    @_handler
-    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> pb.GetResponse:
+    def _begin_get(self, request: pb.GetRequest) -> pb.GetResponse | _Parked:
         member = self._caller(request.caller, "get")
         state = self._state
         key = request.key
-        state.get(key)  # validates the key
-        member.active_calls += 1
-        try:
-            ok = await self._wait(("kv", key), lambda: key in state.kv, request.wait_s, context, f"get of {quote(key)}")
-        finally:
-            member.active_calls -= 1
-            member.last_seen = self._now()
-        if not ok:
-            raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"key {quote(key)} was not set within {request.wait_s:.1f} s")
-        return pb.GetResponse(value=state.kv[key])
+        value = state.get(key)  # validates the key
+        if value is not None:
+            return pb.GetResponse(value=value)
+        return _Parked(
+            member, ("kv", key), lambda: key in state.kv, f"get of {quote(key)}",
+            lambda: pb.GetResponse(value=state.kv[key]),
+            lambda: _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"key {quote(key)} was not set within {request.wait_s:.1f} s"),
+        )
 
     @_handler
-    async def Barrier(self, request: pb.BarrierRequest, context: grpc.aio.ServicerContext) -> pb.BarrierResponse:
+    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> pb.GetResponse:
+        begun = self._begin_get(request)
+        if isinstance(begun, _Parked):
+            return await self._finish(begun, request.wait_s, context)  # type: ignore[no-any-return]
+        return begun
+
+    def _begin_barrier(self, request: pb.BarrierRequest) -> pb.BarrierResponse | _Parked:
         rank = request.caller.rank
         member = self._caller(request.caller, "barrier")
         state = self._state
@@ -375,25 +407,26 @@ class _Servicer(pb_grpc.CoordinatorServicer):
                 f"barrier {quote(name)} #{seq} cannot complete: rank {blocker.rank} left the job before arriving",
                 ((FAILED_KEY, str(blocker.rank)),),
             )
-        member.active_calls += 1
-        try:
-            barrier = state.barriers[name]
-            ok = await self._wait(
-                ("barrier", name, seq), lambda: barrier.completed >= seq, request.wait_s, context,
-                f"barrier {quote(name)}",
-            )
-        finally:
-            member.active_calls -= 1
-            member.last_seen = self._now()
-        if not ok:
+        barrier = state.barriers[name]
+
+        def timed_out() -> _Abort:
             missing = state.barrier_missing(name, seq)
-            raise _Abort(
+            return _Abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"barrier {quote(name)} #{seq}: {len(missing)} of {state.world_size} ranks have not arrived: "
                 f"{_bounded(missing)}",
                 ((MISSING_KEY, _ranks_text(missing)),),
             )
-        return pb.BarrierResponse(seq=seq)
+
+        return _Parked(member, ("barrier", name, seq), lambda: barrier.completed >= seq, f"barrier {quote(name)}",
+                       lambda: pb.BarrierResponse(seq=seq), timed_out)
+
+    @_handler
+    async def Barrier(self, request: pb.BarrierRequest, context: grpc.aio.ServicerContext) -> pb.BarrierResponse:
+        begun = self._begin_barrier(request)
+        if isinstance(begun, _Parked):
+            return await self._finish(begun, request.wait_s, context)  # type: ignore[no-any-return]
+        return begun
 
     @_handler
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
@@ -572,6 +605,85 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         )
 
 
+class _SessionWait:
+    """A parked Session operation, standing in its wait list where a unary call's future would
+    (``_Servicer._wake`` calls done() and set_result()); re-checked at each wake-up, answered
+    at its deadline like the unary wait."""
+
+    __slots__ = ("_session", "_id", "_kind", "_parked", "_finished", "_timer")
+
+    def __init__(self, session: _ServerSession, op_id: int, kind: str, parked: _Parked, wait_s: float) -> None:
+        self._session = session
+        self._id = op_id
+        self._kind = kind
+        self._parked = parked
+        self._finished = False
+        servicer = session._servicer
+        self._timer = servicer._loop.call_later(servicer._budget(wait_s, None), self._expire)
+        parked.member.active_calls += 1
+        servicer._waiters.setdefault(parked.key, []).append(self)  # type: ignore[arg-type]
+
+    def done(self) -> bool:
+        return self._finished
+
+    def set_result(self, _: object) -> None:
+        """Woken: answer if the wait is over (done, failed, closing), else wait again."""
+        if self._finished:
+            return
+        parked = self._parked
+        servicer = self._session._servicer
+        try:
+            if parked.done():
+                self._end(pb.SessionResult(id=self._id, **{self._kind: parked.response()}))
+                return
+            servicer._state.check_not_failed(parked.what)
+            if servicer._owner._closing:
+                raise _Abort(grpc.StatusCode.UNAVAILABLE, f"{parked.what}: the coordinator is shutting down.")
+        except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
+            self._end(self._session._refused(self._id, f"Session {self._kind}", exc))
+            return
+        servicer._waiters.setdefault(parked.key, []).append(self)  # type: ignore[arg-type]
+
+    def _expire(self) -> None:
+        if self._finished:
+            return
+        parked = self._parked
+        self._unlist()
+        if parked.done():
+            self._end(pb.SessionResult(id=self._id, **{self._kind: parked.response()}))
+        else:
+            self._end(self._session._refused(self._id, f"Session {self._kind}", parked.timed_out()))
+
+    def _unlist(self) -> None:
+        waiters = self._session._servicer._waiters
+        futs = waiters.get(self._parked.key)
+        if futs is not None:
+            try:
+                futs.remove(self)  # type: ignore[arg-type]
+            except ValueError:
+                pass
+            if not futs:
+                del waiters[self._parked.key]
+
+    def _release(self) -> None:
+        self._finished = True
+        self._timer.cancel()
+        member = self._parked.member
+        member.active_calls -= 1
+        member.last_seen = self._session._servicer._now()
+        self._session._parked.discard(self)
+
+    def _end(self, result: pb.SessionResult) -> None:
+        self._release()
+        self._session._answer(result)
+
+    def drop(self) -> None:
+        """The stream ended: nobody to answer."""
+        if not self._finished:
+            self._release()
+            self._unlist()
+
+
 class _OpContext:
     """What a Session operation passes where a unary handler gets its call context: no call
     deadline of its own (the operation's wait_s bounds every wait)."""
@@ -603,6 +715,7 @@ class _ServerSession:
         self._ready = asyncio.Event()
         self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._parked: set[_SessionWait] = set()
         # Why a bound: a client that sends operations that never complete (gets of keys nobody
         # sets) must not grow the coordinator without limit.
         self._max_ops = max(1024, 2 * servicer._state.world_size + 64)
@@ -620,8 +733,11 @@ class _ServerSession:
                 for op in request.ops:
                     self._start(op)
             # The client is done sending: answer what is in flight (each op's wait is bounded).
-            while self._tasks:
-                await asyncio.wait(set(self._tasks))
+            while self._tasks or self._parked:
+                if self._tasks:
+                    await asyncio.wait(set(self._tasks))
+                else:
+                    await asyncio.sleep(0.05)
             self._closing = True
             self._ready.set()
             await writer
@@ -630,6 +746,8 @@ class _ServerSession:
         finally:
             for task in list(self._tasks):
                 task.cancel()
+            for parked in list(self._parked):
+                parked.drop()
             writer.cancel()
 
     def _answer(self, result: pb.SessionResult) -> None:
@@ -647,10 +765,27 @@ class _ServerSession:
             self._answer(self._refused(op.id, "Session", _Abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"Session operation {op.id} names no operation.")))
             return
-        if len(self._tasks) >= self._max_ops:
+        waiting = len(self._tasks) + len(self._parked)
+        if waiting >= self._max_ops:
             self._answer(self._refused(op.id, f"Session {kind}", _Abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{kind} refused: this Session stream already has {len(self._tasks)} operations waiting.")))
+                f"{kind} refused: this Session stream already has {waiting} operations waiting.")))
+            return
+        begin = self._servicer._begin_barrier if kind == "barrier" else \
+            self._servicer._begin_get if kind == "get" else None
+        if begin is not None:
+            # Why no task: the waits that come by the thousand (barriers, the gets of a
+            # rendezvous) are answered from the wake-up itself, without a coroutine each.
+            request = getattr(op, kind)
+            try:
+                begun = begin(request)
+            except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
+                self._answer(self._refused(op.id, f"Session {kind}", exc))
+                return
+            if isinstance(begun, _Parked):
+                self._parked.add(_SessionWait(self, op.id, kind, begun, request.wait_s))
+            else:
+                self._answer(pb.SessionResult(id=op.id, **{kind: begun}))
             return
         task = asyncio.ensure_future(self._run(op.id, kind, getattr(op, kind)))
         self._tasks.add(task)

@@ -17,6 +17,7 @@ sees what a unary call's deadline would have given it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import os
@@ -61,12 +62,19 @@ class StreamBroken(Exception):
 
 
 class _Waiter:
-    __slots__ = ("event", "result", "broken")
+    """One caller waiting for one result: a lock taken at creation and released by the loop
+    (cheaper than an Event, whose Condition costs more per wake-up)."""
+
+    __slots__ = ("lock", "result", "broken")
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self.lock = threading.Lock()
+        self.lock.acquire()
         self.result: pb.SessionResult | None = None
         self.broken: str | None = None
+
+    def wake(self) -> None:
+        self.lock.release()
 
 
 class Session:
@@ -82,6 +90,9 @@ class Session:
         self._loop = _eventloop.loop()
         self._ids = itertools.count(1)
         self._waiters: dict[int, _Waiter] = {}
+        #: Operations queued by calling threads, moved to the outbox on the loop.
+        self._inbox: collections.deque[pb.SessionOp] = collections.deque()
+        self._drain_pending = False
         self.users = 0
         #: Set when the coordinator does not serve Session (an older one): unary calls only.
         self.unsupported: str | None = None
@@ -91,6 +102,7 @@ class Session:
         self._call: Any = None
         self._has_work: asyncio.Event | None = None
         self._sent: set[int] = set()
+        self._tasks: tuple[asyncio.Task[None], ...] = ()
 
     # ------------------------------------------------------------------ calling threads
     def call(self, kind: str, request: Any, timeout_s: float) -> Any:
@@ -102,13 +114,17 @@ class Session:
         op_id = next(self._ids)
         waiter = _Waiter()
         self._waiters[op_id] = waiter
-        op = pb.SessionOp(id=op_id, **{kind: request})
-        try:
-            self._loop.call_soon_threadsafe(self._enqueue, op)
-        except RuntimeError as exc:  # the loop is closed (interpreter exit)
-            self._waiters.pop(op_id, None)
-            raise StreamBroken(f"the background loop is closed: {exc}") from exc
-        if not waiter.event.wait(max(0.0, timeout_s)):
+        self._inbox.append(pb.SessionOp(id=op_id, **{kind: request}))
+        if not self._drain_pending:
+            # Why the flag: one wake-up of the loop (a write to its self-pipe) for every batch
+            # of operations that arrive together, not one per operation.
+            self._drain_pending = True
+            try:
+                self._loop.call_soon_threadsafe(self._drain)
+            except RuntimeError as exc:  # the loop is closed (interpreter exit)
+                self._waiters.pop(op_id, None)
+                raise StreamBroken(f"the background loop is closed: {exc}") from exc
+        if not waiter.lock.acquire(timeout=max(0.0, timeout_s)):
             self._waiters.pop(op_id, None)
             raise OpError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         if waiter.broken is not None:
@@ -121,8 +137,13 @@ class Session:
         return getattr(result, kind)
 
     # ------------------------------------------------------------------ loop thread
-    def _enqueue(self, op: pb.SessionOp) -> None:
-        self._outbox.append(op)
+    def _drain(self) -> None:
+        self._drain_pending = False  # before taking: an op queued from now on schedules a drain
+        inbox, outbox = self._inbox, self._outbox
+        while inbox:
+            outbox.append(inbox.popleft())
+        if not outbox:
+            return
         if self._call is None:
             self._open()
         assert self._has_work is not None
@@ -137,8 +158,8 @@ class Session:
         self._call = call
         self._has_work = has_work = asyncio.Event()
         self._sent = set()
-        asyncio.ensure_future(self._write(call, has_work))
-        asyncio.ensure_future(self._read(call))
+        # Why kept: the loop holds tasks weakly; an unreferenced pending task can be collected.
+        self._tasks = (asyncio.ensure_future(self._write(call, has_work)), asyncio.ensure_future(self._read(call)))
 
     async def _write(self, call: Any, has_work: asyncio.Event) -> None:
         try:
@@ -164,7 +185,7 @@ class Session:
                     waiter = self._waiters.pop(result.id, None)
                     if waiter is not None:
                         waiter.result = result
-                        waiter.event.set()
+                        waiter.wake()
         except asyncio.CancelledError:
             self._broken(call, "cancelled")
             raise
@@ -190,7 +211,7 @@ class Session:
             waiter = self._waiters.pop(op_id, None)
             if waiter is not None:
                 waiter.broken = f"the Session stream to {self._target} ended: {why}"
-                waiter.event.set()
+                waiter.wake()
         if lost:
             log.debug("session to %s ended with %d operations in flight: %s", self._target, len(lost), why)
 
