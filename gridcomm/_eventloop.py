@@ -22,6 +22,8 @@ _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 #: The process that started _loop: a forked child has the loop object but not its thread.
 _pid = 0
+#: The loop's thread (a blocking call made on it would wait for itself).
+_thread_id = 0
 
 
 def loop() -> asyncio.AbstractEventLoop:
@@ -33,6 +35,8 @@ def loop() -> asyncio.AbstractEventLoop:
             ready = threading.Event()
 
             def run() -> None:
+                global _thread_id
+                _thread_id = threading.get_ident()
                 asyncio.set_event_loop(new)
                 new.call_soon(ready.set)
                 new.run_forever()
@@ -49,6 +53,10 @@ def current() -> asyncio.AbstractEventLoop | None:
     """The loop if it runs, else None (never starts it)."""
     running = _loop
     return running if running is not None and not running.is_closed() and _pid == os.getpid() else None
+
+
+def on_loop_thread() -> bool:
+    return threading.get_ident() == _thread_id and current() is not None
 
 
 def _shutdown() -> None:
