@@ -100,14 +100,20 @@ class NcclBackend:
         self._ops = {"sum": nccl.NCCL_SUM, "prod": nccl.NCCL_PROD, "min": nccl.NCCL_MIN, "max": nccl.NCCL_MAX}
         # ncclAvg exists from NCCL 2.10; CuPy may not export its constant (its value is 4).
         self._ops["avg"] = getattr(nccl, "NCCL_AVG", 4)
-        # (dtype, op) -> (NCCL type, elements per array element, NCCL op) for every valid pair:
-        # one lookup on the fast path (complex: sum only; avg: floating types only).
-        self._fast: dict[tuple[Any, str], tuple[int, int, int]] = {}
+        # The per-call tables are keyed by id(dtype): hashing a NumPy dtype costs more than the rest
+        # of a fast path. The dtype objects are held by self._dtypes, so an id found here is that
+        # very dtype; any other object (an equal dtype included) misses and takes the checked path.
+        #   id(dtype) -> (NCCL type, elements per array element)
+        #   op -> id(dtype) -> (NCCL type, elements per array element, NCCL op), valid pairs only
+        #   (complex: sum only; avg: floating types only).
+        self._by_id: dict[int, tuple[int, int]] = {id(dt): entry for dt, entry in self._dtypes.items()}
+        self._reduce_by_id: dict[str, dict[int, tuple[int, int, int]]] = {op: {} for op in self._ops}
         for dt, (nccl_type, mult) in self._dtypes.items():
             for op, code in self._ops.items():
                 if (mult == 2 and op != "sum") or (op == "avg" and dt.kind != "f" and dt.name != "bfloat16"):
                     continue
-                self._fast[dt, op] = (nccl_type, mult, code)
+                self._reduce_by_id[op][id(dt)] = (nccl_type, mult, code)
+        self._group_start, self._group_end = nccl.groupStart, nccl.groupEnd
         as_bytes, as_tuple = id_forms(unique_id)
         try:
             try:
@@ -135,28 +141,32 @@ class NcclBackend:
         return nccl_type, array.size * mult
 
     # ------------------------------------------------------------------ collectives
+    # all_reduce, broadcast, all_gather, send, recv and send_recv have a fast path: an identity
+    # lookup of the dtype, C-contiguous CuPy arrays (``_c_contiguous``, a plain attribute, where
+    # ``flags`` builds an object), exact sizes and a plain int rank. It only ever accepts calls the
+    # shared checks accept, with the same NCCL arguments; anything else (invalid calls, F-order
+    # arrays, NumPy integers as ranks) goes through ``_*_args``, which run the shared checks, raise
+    # the precise ArgumentError through ``on_invalid``, or return the NCCL arguments.
     def all_reduce(self, in_array: Any, out_array: Any, op: str = "sum", stream: Any = None) -> None:
-        # Fast path: a valid dtype/op pair and matching C-contiguous arrays. Anything else takes
-        # the shared checks, which raise the precise error (or accept, e.g. F-order arrays).
         try:
             dtype = in_array.dtype
-            nccl_type, mult, code = self._fast[dtype, op]
-            size = in_array.size
-            fast = (in_array._c_contiguous and out_array._c_contiguous and out_array.size == size
-                    and (out_array.dtype is dtype or out_array.dtype == dtype))
+            nccl_type, mult, code = self._reduce_by_id[op][id(dtype)]
+            count = in_array.size
+            fast = (in_array._c_contiguous and out_array._c_contiguous and out_array.size == count
+                    and out_array.dtype is dtype)
+            count *= mult
         except (KeyError, AttributeError, TypeError):
             fast = False
         if not fast:
-            try:
-                _validate.all_reduce(in_array, out_array, op)
-                nccl_type, count = self._typed(in_array, "all_reduce", "in_array")
-            except ArgumentError as exc:
-                if self.on_invalid is not None:
-                    self.on_invalid(exc)
-                raise
-            size, mult, code = count, 1, self._ops[op]
-        self._comm.allReduce(in_array.data.ptr, out_array.data.ptr, size * mult, nccl_type, code,
+            nccl_type, count, code = self._all_reduce_args(in_array, out_array, op)
+        self._comm.allReduce(in_array.data.ptr, out_array.data.ptr, count, nccl_type, code,
                              self._current_stream().ptr if stream is None else stream.ptr)
+
+    @_validate.reports_invalid
+    def _all_reduce_args(self, in_array: Any, out_array: Any, op: str) -> tuple[int, int, int]:
+        _validate.all_reduce(in_array, out_array, op)
+        nccl_type, count = self._typed(in_array, "all_reduce", "in_array")
+        return nccl_type, count, self._ops[op]
 
     @_validate.reports_invalid
     def reduce(self, in_array: Any, out_array: Any, root: int = 0, op: str = "sum", stream: Any = None) -> None:
@@ -165,12 +175,24 @@ class NcclBackend:
         out_ptr = out_array.data.ptr if self.rank == root else in_array.data.ptr
         self._comm.reduce(in_array.data.ptr, out_ptr, count, nccl_type, self._ops[op], root, self._stream(stream))
 
-    @_validate.reports_invalid
     def broadcast(self, in_out_array: Any, root: int = 0, stream: Any = None) -> None:
+        try:
+            nccl_type, mult = self._by_id[id(in_out_array.dtype)]
+            fast = in_out_array._c_contiguous and type(root) is int and 0 <= root < self.world_size
+            count = in_out_array.size * mult
+        except (KeyError, AttributeError):
+            fast = False
+        if not fast:
+            nccl_type, count, root = self._broadcast_args(in_out_array, root)
+        ptr = in_out_array.data.ptr
+        self._comm.broadcast(ptr, ptr, count, nccl_type, root,
+                             self._current_stream().ptr if stream is None else stream.ptr)
+
+    @_validate.reports_invalid
+    def _broadcast_args(self, in_out_array: Any, root: int) -> tuple[int, int, int]:
         root = _validate.broadcast(in_out_array, root, self.world_size)
         nccl_type, count = self._typed(in_out_array, "broadcast", "in_out_array")
-        ptr = in_out_array.data.ptr
-        self._comm.broadcast(ptr, ptr, count, nccl_type, root, self._stream(stream))
+        return nccl_type, count, root
 
     @_validate.reports_invalid
     def reduce_scatter(self, in_array: Any, out_array: Any, count: int, op: str = "sum", stream: Any = None) -> None:
@@ -179,37 +201,77 @@ class NcclBackend:
         self._comm.reduceScatter(in_array.data.ptr, out_array.data.ptr, count * mult, nccl_type, self._ops[op],
                                  self._stream(stream))
 
-    @_validate.reports_invalid
     def all_gather(self, in_array: Any, out_array: Any, count: int, stream: Any = None) -> None:
+        try:
+            dtype = in_array.dtype
+            nccl_type, mult = self._by_id[id(dtype)]
+            fast = (type(count) is int and in_array.size == count and in_array._c_contiguous
+                    and out_array._c_contiguous and out_array.size == count * self.world_size
+                    and out_array.dtype is dtype)
+        except (KeyError, AttributeError):
+            fast = False
+        if not fast:
+            nccl_type, mult, count = self._all_gather_args(in_array, out_array, count)
+        self._comm.allGather(in_array.data.ptr, out_array.data.ptr, count * mult, nccl_type,
+                             self._current_stream().ptr if stream is None else stream.ptr)
+
+    @_validate.reports_invalid
+    def _all_gather_args(self, in_array: Any, out_array: Any, count: int) -> tuple[int, int, int]:
         count = _validate.all_gather(in_array, out_array, count, self.world_size)
         nccl_type, mult = self._dtypes[in_array.dtype]
-        self._comm.allGather(in_array.data.ptr, out_array.data.ptr, count * mult, nccl_type, self._stream(stream))
+        return nccl_type, mult, count
+
+    def _p2p_fast(self, array: Any, peer: Any) -> tuple[int, int, int] | None:
+        """NCCL's (type, count, peer) when send's or recv's arguments pass the fast checks, else None."""
+        try:
+            nccl_type, mult = self._by_id[id(array.dtype)]
+            if array._c_contiguous and type(peer) is int and 0 <= peer < self.world_size and peer != self.rank:
+                return nccl_type, array.size * mult, peer
+        except (KeyError, AttributeError):
+            pass
+        return None
 
     @_validate.reports_invalid
+    def _p2p_args(self, method: str, name: str, array: Any, peer: Any) -> tuple[int, int, int]:
+        nccl_type, count = self._typed(array, method, name)  # the shared checks, array first
+        return nccl_type, count, _validate.peer(method, peer, self.rank, self.world_size)
+
     def send(self, array: Any, peer: int, stream: Any = None) -> None:
-        nccl_type, count = self._typed(array, "send", "array")  # the shared checks, array first
-        peer = _validate.peer("send", peer, self.rank, self.world_size)
-        self._comm.send(array.data.ptr, count, nccl_type, peer, self._stream(stream))
+        nccl_type, count, peer = self._p2p_fast(array, peer) or self._p2p_args("send", "array", array, peer)
+        self._comm.send(array.data.ptr, count, nccl_type, peer,
+                        self._current_stream().ptr if stream is None else stream.ptr)
 
-    @_validate.reports_invalid
     def recv(self, out_array: Any, peer: int, stream: Any = None) -> None:
-        nccl_type, count = self._typed(out_array, "recv", "out_array")  # the shared checks, array first
-        peer = _validate.peer("recv", peer, self.rank, self.world_size)
-        self._comm.recv(out_array.data.ptr, count, nccl_type, peer, self._stream(stream))
+        nccl_type, count, peer = self._p2p_fast(out_array, peer) or self._p2p_args("recv", "out_array", out_array, peer)
+        self._comm.recv(out_array.data.ptr, count, nccl_type, peer,
+                        self._current_stream().ptr if stream is None else stream.ptr)
+
+    def send_recv(self, in_array: Any, out_array: Any, peer: int, stream: Any = None) -> None:
+        try:
+            in_type, in_mult = self._by_id[id(in_array.dtype)]
+            out_type, out_mult = self._by_id[id(out_array.dtype)]
+            fast = (in_array._c_contiguous and out_array._c_contiguous and type(peer) is int
+                    and 0 <= peer < self.world_size)  # oneself allowed: both halves are in one group
+            in_count, out_count = in_array.size * in_mult, out_array.size * out_mult
+        except (KeyError, AttributeError):
+            fast = False
+        if not fast:
+            in_type, in_count, out_type, out_count, peer = self._send_recv_args(in_array, out_array, peer)
+        s = self._current_stream().ptr if stream is None else stream.ptr
+        comm = self._comm
+        self._group_start()
+        try:
+            comm.send(in_array.data.ptr, in_count, in_type, peer, s)
+            comm.recv(out_array.data.ptr, out_count, out_type, peer, s)
+        finally:
+            self._group_end()
 
     @_validate.reports_invalid
-    def send_recv(self, in_array: Any, out_array: Any, peer: int, stream: Any = None) -> None:
+    def _send_recv_args(self, in_array: Any, out_array: Any, peer: int) -> tuple[int, int, int, int, int]:
         peer = _validate.send_recv(in_array, out_array, peer, self.rank, self.world_size)
-        s = self._stream(stream)
         in_type, in_count = self._typed(in_array, "send_recv", "in_array")
         out_type, out_count = self._typed(out_array, "send_recv", "out_array")
-        nccl = self._nccl
-        nccl.groupStart()
-        try:
-            self._comm.send(in_array.data.ptr, in_count, in_type, peer, s)
-            self._comm.recv(out_array.data.ptr, out_count, out_type, peer, s)
-        finally:
-            nccl.groupEnd()
+        return in_type, in_count, out_type, out_count, peer
 
     @_validate.reports_invalid
     def scatter(self, in_array: Any, out_array: Any, root: int = 0, stream: Any = None) -> None:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The GPU run (device machine: one H200, no network). Installs the carried wheels (.whl/:
-# grpcio-health-checking, pytest-timeout), runs the gpu-marked tests and the collective
-# benchmark, and leaves logs in $OUT (or ./gpu-out).
+# The GPU run (device machine: one or two H200s, no network). Installs the carried wheels (.whl/:
+# grpcio-health-checking, pytest-timeout), runs the gpu and multi_gpu tests, the per-call probe
+# and the collective benchmark at world size 1 and, with 2+ GPUs, 2 (one process per GPU), and
+# leaves logs in $OUT (or ./gpu-out): gpu.txt, gpu-tests.log, probe.log, collectives-wsN.md/.json.
+# BENCH_ARGS adds arguments to both benchmark runs (e.g. "--rounds 5 --sweep-max 268435456").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -13,6 +15,8 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
+# NVLink multicast stays off on shared multi-GPU hosts (it can take the GPUs out of service).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 nvidia-smi -L | tee "$OUT/gpu.txt"
 python3 -c "import cupy, grpc, google.protobuf as p; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.get_version(), 'grpc', grpc.__version__, 'protobuf', p.__version__, 'bf16', hasattr(cupy, 'bfloat16'), 'avg', hasattr(nccl, 'NCCL_AVG'), 'split', hasattr(nccl.NcclCommunicator, 'commSplit'))" | tee -a "$OUT/gpu.txt"
 python3 - <<'PY' 2>&1 | tee -a "$OUT/gpu.txt"
@@ -29,9 +33,18 @@ for probe in ("import ml_dtypes; print('ml_dtypes', ml_dtypes.__version__, numpy
     except Exception as exc:
         print("probe failed:", probe[:40], repr(exc))
 PY
-python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu.py tests/test_conformance.py 2>&1 | tee "$OUT/gpu-tests.log"
+python3 -m pytest -m "gpu or multi_gpu" -v -s -p no:cacheprovider tests/test_gpu.py tests/test_conformance.py 2>&1 | tee "$OUT/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
 python3 benchmarks/overhead_probe.py 2>&1 | tee "$OUT/probe.log"
-python3 benchmarks/collectives.py 2>&1 | tee "$OUT/collectives.log"
-echo "gpu tests exit code: $tests_rc"
+gpus=$(nvidia-smi -L | grep -c '^GPU')
+bench_rc=0
+for ws in 1 2; do
+  [ "$gpus" -ge "$ws" ] || { echo "world size $ws not run: $gpus GPU(s)" | tee -a "$OUT/gpu.txt"; continue; }
+  # shellcheck disable=SC2086 # BENCH_ARGS is a list of words
+  python3 benchmarks/collectives.py --world-size "$ws" --json "$OUT/collectives-ws$ws.json" ${BENCH_ARGS:-} 2>&1 \
+    | tee "$OUT/collectives-ws$ws.md"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
+done
+echo "gpu tests exit code: $tests_rc, benchmark exit code: $bench_rc"
+[ "$tests_rc" -eq 0 ] && exit "$bench_rc"
 exit "$tests_rc"

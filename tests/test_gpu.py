@@ -62,6 +62,61 @@ def test_graph_capture_and_replay(comm):
 
 
 @pytest.mark.timeout(120)
+def test_fast_paths_refuse_what_the_shared_checks_refuse(comm):
+    """all_reduce, broadcast, all_gather, send, recv and send_recv skip the shared checks for plain
+    C-contiguous CuPy arrays; what they must not skip: every invalid call below still raises the
+    shared ArgumentError and reaches the on_invalid hook (which fails the rank), and valid calls
+    that miss the fast path (F-order arrays, NumPy integers, a send_recv with itself) still work."""
+    import numpy
+
+    import gridcomm
+
+    backend = comm._backend
+    seen: list[Exception] = []
+    hook, backend.on_invalid = backend.on_invalid, seen.append
+    x = cupy.arange(4, dtype=cupy.float32)
+    wide = cupy.zeros((4, 4), dtype=cupy.float32)
+    bad = [
+        (lambda: comm.broadcast(x, root=True), "root=True must be an integer rank"),
+        (lambda: comm.broadcast(x, root=1), "root=1 is out of range"),
+        (lambda: comm.broadcast(x, root=-1), "root=-1 is out of range"),
+        (lambda: comm.broadcast(wide[:, 1]), "not contiguous"),
+        (lambda: comm.broadcast(cupy.zeros(4, dtype=cupy.int16)), "int16"),
+        (lambda: comm.all_gather(x, cupy.zeros(4, dtype=cupy.float32), -1), "count=-1"),
+        (lambda: comm.all_gather(x, cupy.zeros(4, dtype=cupy.float32), True), "count=True"),
+        (lambda: comm.all_gather(x, cupy.zeros(5, dtype=cupy.float32), 4), "count x world size"),
+        (lambda: comm.all_gather(x, cupy.zeros(4, dtype=cupy.float64), 4), "dtype float64"),
+        (lambda: comm.all_gather(x, wide[:, 1], 4), "not contiguous"),
+        (lambda: comm.send(x, 0), "is this rank itself"),
+        (lambda: comm.recv(x, 1), "out of range"),
+        (lambda: comm.send(wide[:, 1], 0), "not contiguous"),
+        (lambda: comm.send_recv(x, wide[:, 1], 0), "not contiguous"),
+        (lambda: comm.send_recv(x, x, 1), "out of range"),
+        (lambda: comm.send_recv(x, x, False), "must be an integer rank"),
+        (lambda: comm.send_recv(x, cupy.zeros(4, dtype=cupy.int16), 0), "int16"),
+        (lambda: comm.all_reduce(x, cupy.zeros(4, dtype=cupy.float64)), "dtype float64"),
+    ]
+    try:
+        for i, (call, words) in enumerate(bad):
+            with pytest.raises(gridcomm.ArgumentError, match=words):
+                call()
+            assert len(seen) == i + 1, f"on_invalid not called for the case expecting {words!r}"
+        f_order = cupy.asfortranarray(cupy.arange(6, dtype=cupy.float32).reshape(2, 3))
+        out = cupy.zeros_like(f_order)
+        comm.all_reduce(f_order, out)
+        comm.broadcast(f_order, root=numpy.int64(0))
+        gathered = cupy.zeros(4, dtype=cupy.float32)
+        comm.all_gather(x, gathered, numpy.int64(4))
+        got = cupy.zeros(4, dtype=cupy.float32)
+        comm.send_recv(x, got, 0)
+        cupy.cuda.get_current_stream().synchronize()
+        assert bool((out == f_order).all()) and bool((gathered == x).all()) and bool((got == x).all())
+        assert len(seen) == len(bad)
+    finally:
+        backend.on_invalid = hook
+
+
+@pytest.mark.timeout(120)
 def test_abort_from_a_watcher_thread_releases_a_collective_loop(comm):
     import gridcomm
 
