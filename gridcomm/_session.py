@@ -245,7 +245,8 @@ class Session:
                 ready.append(waiter)
         _wake_tree(ready)
         if lost:
-            log.debug("session to %s ended with %d operations in flight: %s", self._target, len(lost), why)
+            log.warning("gridcomm: the Session stream to %s ended with %d operations in flight (%s); they are "
+                        "repeated as unary calls", self._target, len(lost), why)
 
     async def close(self) -> None:
         call, self._call = self._call, None
