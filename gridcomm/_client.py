@@ -214,12 +214,18 @@ class CoordinatorClient:
             if self._session is None:
                 self._session = _session.acquire(self.target, self.tls, self._metadata,
                                                  self if self.session_mode == "client" else None)
+            started = time.monotonic()
             try:
                 return self._session.call(kind, request, timeout_s)
             except _session.OpError as exc:
                 raise translate(exc, what, self.target) from None
             except _session.StreamBroken as exc:
                 log.debug("rank %d: %s; repeating %s as a unary call", self.rank, exc, kind)
+            # Why: the repeat gets what is left of this call's time, not all of it again.
+            timeout_s -= time.monotonic() - started
+            if timeout_s <= 0:
+                raise translate(_session.OpError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),
+                                what, self.target)
         method = getattr(self._stub, _UNARY[kind])
         return self._call(method, request, what, timeout_s, wait_for_ready=wait_for_ready)
 

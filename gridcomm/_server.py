@@ -742,6 +742,15 @@ class _ServerSession:
             self._ready.set()
             await writer
         except Exception as exc:  # noqa: BLE001 - refused with a status, never a crash
+            # Why first: a reply still being written makes the abort fail (too many operations
+            # on the call) and leaves the stream hanging; let that write end, drop the rest.
+            self._results = []
+            self._closing = True
+            self._ready.set()
+            try:
+                await asyncio.wait_for(writer, 5.0)
+            except BaseException:  # noqa: BLE001 - a writer that fails or hangs: abort anyway
+                pass
             await _refuse(self._context, "Session", exc)
         finally:
             for task in list(self._tasks):
@@ -783,6 +792,15 @@ class _ServerSession:
                 self._answer(self._refused(op.id, f"Session {kind}", exc))
                 return
             if isinstance(begun, _Parked):
+                try:
+                    # The unary wait's first checks: a failed job or a closing coordinator
+                    # answers at once instead of waiting.
+                    self._servicer._state.check_not_failed(begun.what)
+                    if self._servicer._owner._closing:
+                        raise _Abort(grpc.StatusCode.UNAVAILABLE, f"{begun.what}: the coordinator is shutting down.")
+                except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
+                    self._answer(self._refused(op.id, f"Session {kind}", exc))
+                    return
                 self._parked.add(_SessionWait(self, op.id, kind, begun, request.wait_s))
             else:
                 self._answer(pb.SessionResult(id=op.id, **{kind: begun}))

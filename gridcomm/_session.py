@@ -123,6 +123,9 @@ class Session:
         self._has_work: asyncio.Event | None = None
         self._sent: set[int] = set()
         self._tasks: tuple[asyncio.Task[None], ...] = ()
+        #: Whether the current stream got any reply; streams refused in a row without one.
+        self._replied = False
+        self._refusals = 0
 
     # ------------------------------------------------------------------ calling threads
     def call(self, kind: str, request: Any, timeout_s: float) -> Any:
@@ -186,6 +189,7 @@ class Session:
         self._call = call
         self._has_work = has_work = asyncio.Event()
         self._sent = set()
+        self._replied = False
         # Why kept: the loop holds tasks weakly; an unreferenced pending task can be collected.
         self._tasks = (asyncio.ensure_future(self._write(call, has_work)), asyncio.ensure_future(self._read(call)))
 
@@ -202,12 +206,36 @@ class Session:
             self._broken(call, "cancelled")
             raise
         except Exception as exc:  # noqa: BLE001 - every error ends this stream; ops fall back
-            self._broken(call, _why(exc))
+            self._broken(call, await self._status(call, _why(exc)))
+
+    async def _status(self, call: Any, fallback: str) -> str:
+        """The call's final status, waited for briefly. Why: a write that fails because the
+        coordinator refused the stream (UNIMPLEMENTED on an older one) reports only a generic
+        error; the status tells an older coordinator from a broken connection."""
+        try:
+            code = await asyncio.wait_for(call.code(), 1.0)
+            details = await asyncio.wait_for(call.details(), 1.0)
+        except Exception:  # noqa: BLE001 - no status in time: keep what the failure said
+            return fallback
+        if code is grpc.StatusCode.UNIMPLEMENTED:
+            self.unsupported = f"the coordinator at {self._target} does not serve Session streams"
+        elif code is grpc.StatusCode.INTERNAL and not self._replied:
+            # Why: a write racing an UNIMPLEMENTED answer can turn it into INTERNAL on this side;
+            # a coordinator that refuses two streams in a row without a single reply is taken
+            # not to serve them (a stream that got replies resets the count).
+            self._refusals += 1
+            if self._refusals >= 2:
+                self.unsupported = (f"the coordinator at {self._target} ended two Session streams without a reply "
+                                    f"({code.name}: {details})")
+        return f"{code.name}: {details}"
 
     async def _read(self, call: Any) -> None:
         why = "the coordinator ended the stream"
         try:
             async for reply in call:
+                if not self._replied:
+                    self._replied = True
+                    self._refusals = 0
                 ready = []
                 for result in reply.results:
                     self._sent.discard(result.id)
@@ -219,13 +247,9 @@ class Session:
         except asyncio.CancelledError:
             self._broken(call, "cancelled")
             raise
-        except grpc.aio.AioRpcError as exc:
-            why = _why(exc)
-            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
-                self.unsupported = f"the coordinator at {self._target} does not serve Session streams"
         except Exception as exc:  # noqa: BLE001 - every error ends this stream; ops fall back
             why = _why(exc)
-        self._broken(call, why)
+        self._broken(call, await self._status(call, why))
 
     def _broken(self, call: Any, why: str) -> None:
         """Ends this stream: the operations it carried, or still queued for it, fall back."""
@@ -249,18 +273,29 @@ class Session:
                         "repeated as unary calls", self._target, len(lost), why)
 
     async def close(self) -> None:
+        """Ends the stream and closes the channel (its connection goes at once)."""
         call, self._call = self._call, None
         if self._has_work is not None:
             self._has_work.set()  # ends the writer
-        if call is not None:
-            try:
-                await asyncio.wait_for(call.done_writing(), 1.0)
-            except Exception:  # noqa: BLE001 - closing anyway
-                pass
-            call.cancel()
+        tasks, self._tasks = self._tasks, ()
         channel, self._channel = self._channel, None
-        if channel is not None:
-            await channel.close()
+        try:
+            if call is not None:
+                try:
+                    await asyncio.wait_for(call.done_writing(), 1.0)
+                except (Exception, asyncio.CancelledError):  # noqa: BLE001 - closing anyway
+                    pass
+                call.cancel()
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=1.0)
+        finally:
+            if channel is not None:
+                await channel.close()
+            # Why: a cancelled task's traceback refers back to this session and its call; drop
+            # the references so nothing keeps the call (and its channel) alive until a GC pass.
+            self._has_work = None
 
 
 def _why(exc: BaseException) -> str:

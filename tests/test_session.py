@@ -317,16 +317,11 @@ def test_every_mode_fails_the_same_way(coordinator_factory):
     assert found["client"] == found["off"]
 
 
-SESSION_GET_BUG = pytest.mark.xfail(strict=True, reason=(
-    "bug: a Session get of a key not yet set, sent after a rank failed, is parked (_ServerSession._start -> "
-    "_SessionWait) without the failure check the unary wait makes first (_Servicer._wait: check_not_failed "
-    "before waiting), so it waits its whole wait_s and answers DEADLINE_EXCEEDED 'key ... was not set' "
-    "(RendezvousTimeout) instead of ABORTED with gridcomm-failed-rank (RankFailedError) at once"))
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("mode", [pytest.param("process", marks=SESSION_GET_BUG),
-                                  pytest.param("client", marks=SESSION_GET_BUG), "off"])
+# A parked Session get answers a failed job at once, like the unary wait (a bug found here, fixed).
+@pytest.mark.parametrize("mode", ["process", "client", "off"])
 def test_get_after_a_rank_failed_raises_rank_failed_at_once(coordinator_factory, mode):
     server = coordinator_factory(3)
     with clients(server.port, 3, mode) as ranks:
@@ -371,17 +366,11 @@ def test_process_mode_shares_one_stream_and_client_mode_opens_one_each(coordinat
     assert server.wait_all_left(5.0)
 
 
-CLOSE_BUG = pytest.mark.xfail(strict=True, reason=(
-    "bug (since 8158bd3): Session._open keeps its stream tasks in self._tasks; a task that ended on "
-    "CancelledError (close() cancels the call) keeps its traceback, whose frame holds the Session and the "
-    "grpc.aio call, a reference cycle; the call keeps the core channel, so the TCP connection to the "
-    "coordinator stays open after the last client closed until the cyclic garbage collector runs "
-    "(dd9e031 closed it at once)"))
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("mode", [pytest.param("process", marks=CLOSE_BUG), pytest.param("client", marks=CLOSE_BUG),
-                                  "off"])
+# The stream's tasks once kept the call (and its connection) alive until a GC pass (found here, fixed).
+@pytest.mark.parametrize("mode", ["process", "client", "off"])
 def test_the_last_client_to_close_closes_the_connection(coordinator_factory, mode):
     server = coordinator_factory(4)
     # Why without the cyclic collector: closing must not depend on when it happens to run.
@@ -515,11 +504,7 @@ def raw_stream(channel: grpc.Channel, bodies: Sequence[bytes], timeout_s: float 
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: _ServerSession.serve answers an undecodable message with context.abort while its writer task may "
-    "still be writing a reply; gRPC refuses the status (ExecuteBatchError GRPC_CALL_ERROR_TOO_MANY_OPERATIONS, "
-    "logged), so the stream is never ended and the client waits until its own deadline (DEADLINE_EXCEEDED "
-    "'Stream removed') instead of getting INVALID_ARGUMENT (racy: here in about 4 of 10 streams)"))
+# The abort once raced the reply's write and left the stream hanging (found here, fixed).
 def test_undecodable_message_while_a_reply_is_being_written_ends_the_stream():
     with coordinator(1) as (server, channel), raw_session(channel) as session:
         (caller,) = join_on_stream(session, server, 1)
@@ -648,12 +633,7 @@ def test_a_coordinator_without_session_is_served_by_unary_calls(mode):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: against a coordinator without Session, the refusal often reaches the client as INTERNAL 'Internal "
-    "error from Core' (Session._write's call.write races the UNIMPLEMENTED status; the writer calls _broken, "
-    "which cancels the call before _read sees UNIMPLEMENTED), so Session.unsupported is not set and a later "
-    "operation opens a new stream that fails again before its unary repeat (here in about half the runs of 16 "
-    "clients; up to 9 attempts for one process in a 10-round flow)"))
+# A refusal racing a write once hid UNIMPLEMENTED, so every operation retried the stream (found here, fixed).
 def test_a_coordinator_without_session_is_tried_once_per_stream():
     world = 16
     for trial in range(8):  # the refusal races a write: several rounds, so the test does not pass by luck
@@ -749,10 +729,8 @@ def test_a_stream_cut_mid_wait_is_repeated_as_a_unary_call(coordinator_factory, 
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", ["off", pytest.param("process", marks=pytest.mark.xfail(strict=True, reason=(
-    "bug: after a Session stream breaks, CoordinatorClient._op repeats the operation as a unary call with the "
-    "whole slice again (same wait_s, same call timeout) instead of what is left of it, so barrier/get/join can "
-    "outlive timeout_s by up to a slice (10 s); unary mode stays within timeout_s + 1 s")))])
+# The unary repeat once got the whole slice again (found here, fixed).
+@pytest.mark.parametrize("mode", ["off", "process"])
 def test_a_stream_cut_late_in_a_wait_keeps_the_callers_deadline(coordinator_factory, mode):
     timeout_s, cut_at_s = 2.5, 2.0
     bound_s = timeout_s + 1.0 + 0.3  # the unary call's deadline (wait + the client's 1 s slack) + scheduling
