@@ -197,6 +197,20 @@ class CoordinatorClient:
             self._stub_ = pb_grpc.CoordinatorStub(self._channel)
         return self._stub_
 
+    def open_data_channel(self, timeout_s: float | None = None) -> None:
+        """Opens the channel that carries this client's unary calls and host-backend transfers
+        (Put, Take) and waits, bounded, until it is connected, as a first contact does. Why: join
+        travels on the Session stream, so without this the first transfer would dial; on a slow
+        or lossy network its connection attempt can fail where a wait succeeds."""
+        bound = self.timeout_s if timeout_s is None else timeout_s
+        self._stub  # noqa: B018 - opens the channel
+        assert self._channel is not None
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=bound)
+        except grpc.FutureTimeoutError as exc:
+            raise CoordinatorUnavailable(f"rank {self.rank}: no connection to the coordinator at {self.target} within "
+                                         f"{bound:.1f} s") from exc
+
     def _call(self, method: Callable[..., _T], request: Any, what: str, timeout_s: float, *, wait_for_ready: bool = False) -> _T:
         if self._closed:
             raise CommAborted(f"{what}: this client was closed.")

@@ -47,6 +47,7 @@ class HostBackend:
         self._p2p: dict[tuple[int, int], int] = {}
         #: Set by abort(): calls that fail afterwards raise it (the cause), not the symptom.
         self._failure: Exception | None = None
+        client.open_data_channel()
 
     # ------------------------------------------------------------------ message plumbing
     def _next(self) -> str:
