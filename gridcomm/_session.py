@@ -269,7 +269,8 @@ class Session:
                 ready.append(waiter)
         _wake_tree(ready)
         if lost:
-            log.warning("gridcomm: the Session stream to %s ended with %d operations in flight (%s); they are "
+            # Why not a warning when cancelled: that is this process closing the stream (exit).
+            (log.debug if why == "cancelled" else log.warning)("gridcomm: the Session stream to %s ended with %d operations in flight (%s); they are "
                         "repeated as unary calls", self._target, len(lost), why)
 
     async def close(self) -> None:
