@@ -243,6 +243,14 @@ class _Servicer(pb_grpc.CoordinatorServicer):
             budget = min(budget, remaining_call - _ANSWER_MARGIN_S)
         return max(0.0, budget)
 
+    def _check_waiting(self, what: str, fail_fast: bool = True) -> None:
+        """Raises what ends a wait that is not done: a failed job (when ``fail_fast``) or a
+        coordinator that is shutting down."""
+        if fail_fast:
+            self._state.check_not_failed(what)
+        if self._owner._closing:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, f"{what}: the coordinator is shutting down.")
+
     async def _finish(self, parked: _Parked, wait_s: float, context: Any) -> Any:
         """Waits (bounded) for a parked operation and answers it as its RPC does."""
         member = parked.member
@@ -274,10 +282,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
             # is still handed out after a failure; only waiting is refused.
             if done():
                 return True
-            if fail_fast:
-                self._state.check_not_failed(what)
-            if self._owner._closing:
-                raise _Abort(grpc.StatusCode.UNAVAILABLE, f"{what}: the coordinator is shutting down.")
+            self._check_waiting(what, fail_fast)
             remaining = deadline - self._loop.time()
             if remaining <= 0:
                 return False
@@ -618,10 +623,14 @@ class _SessionWait:
         self._kind = kind
         self._parked = parked
         self._finished = False
-        servicer = session._servicer
-        self._timer = servicer._loop.call_later(servicer._budget(wait_s, None), self._expire)
+        self._timer: asyncio.TimerHandle | None = None
         parked.member.active_calls += 1
-        servicer._waiters.setdefault(parked.key, []).append(self)  # type: ignore[arg-type]
+        session._parked.add(self)
+        # The unary wait's first round: a failed job or a closing coordinator answers at once.
+        self.set_result(None)
+        if not self._finished:
+            servicer = session._servicer
+            self._timer = servicer._loop.call_later(servicer._budget(wait_s, None), self._expire)
 
     def done(self) -> bool:
         return self._finished
@@ -636,9 +645,7 @@ class _SessionWait:
             if parked.done():
                 self._end(pb.SessionResult(id=self._id, **{self._kind: parked.response()}))
                 return
-            servicer._state.check_not_failed(parked.what)
-            if servicer._owner._closing:
-                raise _Abort(grpc.StatusCode.UNAVAILABLE, f"{parked.what}: the coordinator is shutting down.")
+            servicer._check_waiting(parked.what)
         except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
             self._end(self._session._refused(self._id, f"Session {self._kind}", exc))
             return
@@ -667,7 +674,8 @@ class _SessionWait:
 
     def _release(self) -> None:
         self._finished = True
-        self._timer.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
         member = self._parked.member
         member.active_calls -= 1
         member.last_seen = self._session._servicer._now()
@@ -701,11 +709,18 @@ _SESSION_METHODS: dict[str, Callable[..., Awaitable[Any]]] = {
     "barrier": _Servicer.Barrier.__wrapped__,  # type: ignore[attr-defined]
     "leave": _Servicer.Leave.__wrapped__,  # type: ignore[attr-defined]
 }
+#: The operations that come by the thousand (barriers, a rendezvous's gets): their first step,
+#: which answers at once or returns what to wait for; they wait without a task each.
+_SESSION_PARKING: dict[str, Callable[[_Servicer, Any], Any]] = {
+    "barrier": _Servicer._begin_barrier,
+    "get": _Servicer._begin_get,
+}
 
 
 class _ServerSession:
-    """One Session stream: reads batches of operations, runs each as a task, and writes the
-    results that completed since the last write as one reply (so N waiters released together
+    """One Session stream: reads batches of operations, runs each (barriers and gets parked in
+    the wait lists, the rest as a task), and writes the results that completed since the last
+    write as one reply (so N waiters released together
     cost one message per stream, not N calls)."""
 
     def __init__(self, servicer: _Servicer, context: grpc.aio.ServicerContext) -> None:
@@ -780,28 +795,18 @@ class _ServerSession:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{kind} refused: this Session stream already has {waiting} operations waiting.")))
             return
-        begin = self._servicer._begin_barrier if kind == "barrier" else \
-            self._servicer._begin_get if kind == "get" else None
+        begin = _SESSION_PARKING.get(kind)
         if begin is not None:
             # Why no task: the waits that come by the thousand (barriers, the gets of a
             # rendezvous) are answered from the wake-up itself, without a coroutine each.
             request = getattr(op, kind)
             try:
-                begun = begin(request)
+                begun = begin(self._servicer, request)
             except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
                 self._answer(self._refused(op.id, f"Session {kind}", exc))
                 return
             if isinstance(begun, _Parked):
-                try:
-                    # The unary wait's first checks: a failed job or a closing coordinator
-                    # answers at once instead of waiting.
-                    self._servicer._state.check_not_failed(begun.what)
-                    if self._servicer._owner._closing:
-                        raise _Abort(grpc.StatusCode.UNAVAILABLE, f"{begun.what}: the coordinator is shutting down.")
-                except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
-                    self._answer(self._refused(op.id, f"Session {kind}", exc))
-                    return
-                self._parked.add(_SessionWait(self, op.id, kind, begun, request.wait_s))
+                _SessionWait(self, op.id, kind, begun, request.wait_s)
             else:
                 self._answer(pb.SessionResult(id=op.id, **{kind: begun}))
             return
