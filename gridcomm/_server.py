@@ -13,7 +13,7 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "gridcomm.v1.Coordinator"
 MISSING_KEY = "gridcomm-missing-ranks"
 FAILED_KEY = "gridcomm-failed-rank"
+#: What a coordinator tells a Session stream it accepts, in the initial metadata.
+SESSION_FEATURES_KEY = "gridcomm-session-features"
+SESSION_FEATURES = "group"
 #: Margin kept between the server's answer and the caller's gRPC deadline, so a timed-out wait
 #: reaches the caller as our structured answer rather than as the transport's DEADLINE_EXCEEDED.
 _ANSWER_MARGIN_S = 0.25
@@ -177,7 +180,8 @@ def _handler(method: Callable[..., Awaitable[_T]]) -> Callable[..., Awaitable[_T
 class _Parked:
     """An operation that has to wait: for what (key, done), and how it is answered."""
 
-    member: Member
+    #: The ranks waiting (one, or a Session group's members).
+    members: Sequence[Member]
     key: tuple[Any, ...]
     done: Callable[[], bool]
     what: str
@@ -195,6 +199,8 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         self._auth_failures = 0
         self._mailbox: dict[tuple[str, int], bytes] = {}
         self._mailbox_bytes = 0
+        #: Session operations that came as members of a group (SessionOp.also), since start.
+        self.grouped = 0
 
     # ------------------------------------------------------------------ plumbing
     def _now(self) -> float:
@@ -253,7 +259,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
 
     async def _finish(self, parked: _Parked, wait_s: float, context: Any) -> Any:
         """Waits (bounded) for a parked operation and answers it as its RPC does."""
-        member = parked.member
+        (member,) = parked.members
         member.active_calls += 1
         try:
             ok = await self._wait(parked.key, parked.done, wait_s, context, parked.what)
@@ -372,15 +378,21 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         self._wake(("kv", request.key))
         return pb.SetResponse()
 
-    def _begin_get(self, request: pb.GetRequest) -> pb.GetResponse | _Parked:
-        member = self._caller(request.caller, "get")
+    def _admit_get(self, request: pb.GetRequest, caller: pb.Caller) -> Member:
+        """A get's checks of one caller (each member of a Session group passes its own)."""
+        return self._caller(caller, "get")  # type: ignore[no-any-return]
+
+    def _begin_get(self, request: pb.GetRequest, members: Sequence[Member] = ()) -> pb.GetResponse | _Parked:
+        """The value, or what to wait for; ``members`` were admitted already (a Session group)."""
+        if not members:
+            members = (self._admit_get(request, request.caller),)
         state = self._state
         key = request.key
         value = state.get(key)  # validates the key
         if value is not None:
             return pb.GetResponse(value=value)
         return _Parked(
-            member, ("kv", key), lambda: key in state.kv, f"get of {quote(key)}",
+            members, ("kv", key), lambda: key in state.kv, f"get of {quote(key)}",
             lambda: pb.GetResponse(value=state.kv[key]),
             lambda: _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"key {quote(key)} was not set within {request.wait_s:.1f} s"),
         )
@@ -392,17 +404,27 @@ class _Servicer(pb_grpc.CoordinatorServicer):
             return await self._finish(begun, request.wait_s, context)  # type: ignore[no-any-return]
         return begun
 
-    def _begin_barrier(self, request: pb.BarrierRequest) -> pb.BarrierResponse | _Parked:
-        rank = request.caller.rank
-        member = self._caller(request.caller, "barrier")
+    def _admit_barrier(self, request: pb.BarrierRequest, caller: pb.Caller) -> Member:
+        """One caller's checks and arrival (each member of a Session group passes its own)."""
+        member = self._caller(caller, "barrier")
         state = self._state
         state.check_barrier_name(request.name)
         state.check_not_failed(f"barrier {quote(request.name)}")
-        name, seq = request.name, request.seq
+        name = request.name
         before = state.barriers[name].completed if name in state.barriers else 0
-        completed = state.arrive(name, rank, seq, self._now(), request.participants)
+        completed = state.arrive(name, caller.rank, request.seq, self._now(), request.participants)
         for done_seq in range(before + 1, completed + 1):
             self._wake(("barrier", name, done_seq))
+        return member  # type: ignore[no-any-return]
+
+    def _begin_barrier(self, request: pb.BarrierRequest, members: Sequence[Member] = ()) -> pb.BarrierResponse | _Parked:
+        """Done, or what to wait for; ``members`` arrived already (a Session group)."""
+        if not members:
+            members = (self._admit_barrier(request, request.caller),)
+        state = self._state
+        name, seq = request.name, request.seq
+        # Why there is a barrier: an admitted arrival opened it.
+        completed = state.barriers[name].completed
         if completed >= seq:
             return pb.BarrierResponse(seq=seq)
         blocker = state.barrier_blocker(name, seq)
@@ -423,7 +445,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
                 ((MISSING_KEY, _ranks_text(missing)),),
             )
 
-        return _Parked(member, ("barrier", name, seq), lambda: barrier.completed >= seq, f"barrier {quote(name)}",
+        return _Parked(members, ("barrier", name, seq), lambda: barrier.completed >= seq, f"barrier {quote(name)}",
                        lambda: pb.BarrierResponse(seq=seq), timed_out)
 
     @_handler
@@ -588,6 +610,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
             self._authenticate(context, "Session")
         except Exception as exc:  # noqa: BLE001 - refused with a status, never a crash
             await _refuse(context, "Session", exc)
+        await context.send_initial_metadata(((SESSION_FEATURES_KEY, SESSION_FEATURES),))
         await _ServerSession(self, context).serve()
 
     @_handler
@@ -615,16 +638,19 @@ class _SessionWait:
     (``_Servicer._wake`` calls done() and set_result()); re-checked at each wake-up, answered
     at its deadline like the unary wait."""
 
-    __slots__ = ("_session", "_id", "_kind", "_parked", "_finished", "_timer")
+    __slots__ = ("_session", "_id", "_also", "_kind", "_parked", "_finished", "_timer")
 
-    def __init__(self, session: _ServerSession, op_id: int, kind: str, parked: _Parked, wait_s: float) -> None:
+    def __init__(self, session: _ServerSession, ids: Sequence[int], kind: str, parked: _Parked, wait_s: float) -> None:
         self._session = session
-        self._id = op_id
+        self._id = ids[0]
+        #: The other members of a group (their op ids), answered by the same result.
+        self._also = ids[1:]
         self._kind = kind
         self._parked = parked
         self._finished = False
         self._timer: asyncio.TimerHandle | None = None
-        parked.member.active_calls += 1
+        for member in parked.members:
+            member.active_calls += 1
         session._parked.add(self)
         # The unary wait's first round: a failed job or a closing coordinator answers at once.
         self.set_result(None)
@@ -643,11 +669,11 @@ class _SessionWait:
         servicer = self._session._servicer
         try:
             if parked.done():
-                self._end(pb.SessionResult(id=self._id, **{self._kind: parked.response()}))
+                self._end(pb.SessionResult(id=self._id, also=self._also, **{self._kind: parked.response()}))
                 return
             servicer._check_waiting(parked.what)
         except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
-            self._end(self._session._refused(self._id, f"Session {self._kind}", exc))
+            self._end(self._session._refused(self._id, f"Session {self._kind}", exc, self._also))
             return
         servicer._waiters.setdefault(parked.key, []).append(self)  # type: ignore[arg-type]
 
@@ -657,9 +683,9 @@ class _SessionWait:
         parked = self._parked
         self._unlist()
         if parked.done():
-            self._end(pb.SessionResult(id=self._id, **{self._kind: parked.response()}))
+            self._end(pb.SessionResult(id=self._id, also=self._also, **{self._kind: parked.response()}))
         else:
-            self._end(self._session._refused(self._id, f"Session {self._kind}", parked.timed_out()))
+            self._end(self._session._refused(self._id, f"Session {self._kind}", parked.timed_out(), self._also))
 
     def _unlist(self) -> None:
         waiters = self._session._servicer._waiters
@@ -676,9 +702,10 @@ class _SessionWait:
         self._finished = True
         if self._timer is not None:
             self._timer.cancel()
-        member = self._parked.member
-        member.active_calls -= 1
-        member.last_seen = self._session._servicer._now()
+        now = self._session._servicer._now()
+        for member in self._parked.members:
+            member.active_calls -= 1
+            member.last_seen = now
         self._session._parked.discard(self)
 
     def _end(self, result: pb.SessionResult) -> None:
@@ -709,11 +736,12 @@ _SESSION_METHODS: dict[str, Callable[..., Awaitable[Any]]] = {
     "barrier": _Servicer.Barrier.__wrapped__,  # type: ignore[attr-defined]
     "leave": _Servicer.Leave.__wrapped__,  # type: ignore[attr-defined]
 }
-#: The operations that come by the thousand (barriers, a rendezvous's gets): their first step,
-#: which answers at once or returns what to wait for; they wait without a task each.
-_SESSION_PARKING: dict[str, Callable[[_Servicer, Any], Any]] = {
-    "barrier": _Servicer._begin_barrier,
-    "get": _Servicer._begin_get,
+#: The operations that come by the thousand (barriers, a rendezvous's gets), in two steps: the
+#: checks (and arrival) of one caller, then, once for all the callers of a group, what answers
+#: at once or what to wait for. They wait without a task each, and may be grouped (SessionOp.also).
+_SESSION_PARKING: dict[str, tuple[Callable[[_Servicer, Any, pb.Caller], Member], Callable[[_Servicer, Any, Sequence[Member]], Any]]] = {
+    "barrier": (_Servicer._admit_barrier, _Servicer._begin_barrier),
+    "get": (_Servicer._admit_get, _Servicer._begin_get),
 }
 
 
@@ -778,9 +806,9 @@ class _ServerSession:
         self._results.append(result)
         self._ready.set()
 
-    def _refused(self, op_id: int, name: str, exc: Exception) -> pb.SessionResult:
+    def _refused(self, op_id: int, name: str, exc: Exception, also: Sequence[int] = ()) -> pb.SessionResult:
         code, details, metadata = _status_of(name, exc)
-        return pb.SessionResult(id=op_id, code=code.value[0], details=details,
+        return pb.SessionResult(id=op_id, also=also, code=code.value[0], details=details,
                                 metadata=[pb.MetadataEntry(key=k, value=v) for k, v in metadata])
 
     def _start(self, op: pb.SessionOp) -> None:
@@ -795,24 +823,58 @@ class _ServerSession:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{kind} refused: this Session stream already has {waiting} operations waiting.")))
             return
-        begin = _SESSION_PARKING.get(kind)
-        if begin is not None:
-            # Why no task: the waits that come by the thousand (barriers, the gets of a
-            # rendezvous) are answered from the wake-up itself, without a coroutine each.
-            request = getattr(op, kind)
-            try:
-                begun = begin(self._servicer, request)
-            except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
-                self._answer(self._refused(op.id, f"Session {kind}", exc))
-                return
-            if isinstance(begun, _Parked):
-                _SessionWait(self, op.id, kind, begun, request.wait_s)
-            else:
-                self._answer(pb.SessionResult(id=op.id, **{kind: begun}))
+        steps = _SESSION_PARKING.get(kind)
+        if steps is not None:
+            self._start_parking(op, kind, steps)
+            return
+        if op.also:
+            self._answer(self._refused(op.id, f"Session {kind}", _Abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"a Session {kind} cannot be grouped; only get and barrier can."),
+                [member.id for member in op.also]))
             return
         task = asyncio.ensure_future(self._run(op.id, kind, getattr(op, kind)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _start_parking(self, op: pb.SessionOp, kind: str, steps: tuple[Callable[..., Any], Callable[..., Any]]) -> None:
+        """A get or barrier, alone or grouped. Why no task: the waits that come by the thousand
+        (barriers, the gets of a rendezvous) are answered from the wake-up itself, without a
+        coroutine each. A group (op.also: the same operation by other ranks of this stream)
+        costs one wait and one result; each member passes its own checks, and a member that
+        fails them is answered on its own, with what its unary call would have got."""
+        admit, begin = steps
+        servicer = self._servicer
+        request = getattr(op, kind)
+        name = f"Session {kind}"
+        if len(op.also) >= servicer._state.world_size:
+            self._answer(self._refused(op.id, name, _Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a Session {kind} group of {len(op.also) + 1} callers is larger than the job "
+                f"({servicer._state.world_size} ranks)."), [member.id for member in op.also]))
+            return
+        ids: list[int] = []
+        members: list[Member] = []
+        servicer.grouped += len(op.also)
+        callers = [(op.id, request.caller)]
+        callers.extend((member.id, member.caller) for member in op.also)
+        for op_id, caller in callers:
+            try:
+                members.append(admit(servicer, request, caller))
+            except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
+                self._answer(self._refused(op_id, name, exc))
+                continue
+            ids.append(op_id)
+        if not ids:
+            return
+        try:
+            begun = begin(servicer, request, members)
+        except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
+            self._answer(self._refused(ids[0], name, exc, ids[1:]))
+            return
+        if isinstance(begun, _Parked):
+            _SessionWait(self, ids, kind, begun, request.wait_s)
+        else:
+            self._answer(pb.SessionResult(id=ids[0], also=ids[1:], **{kind: begun}))
 
     async def _run(self, op_id: int, kind: str, request: Any) -> None:
         try:

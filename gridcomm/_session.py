@@ -30,6 +30,7 @@ from gridcomm import _config, _eventloop
 from gridcomm._channel import make_aio_channel
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from gridcomm._server import SESSION_FEATURES_KEY
 
 log = logging.getLogger(__name__)
 
@@ -110,14 +111,18 @@ class Session:
         self._loop = _eventloop.loop()
         self._ids = itertools.count(1)
         self._waiters: dict[int, _Waiter] = {}
-        #: Operations queued by calling threads, moved to the outbox on the loop.
-        self._inbox: collections.deque[pb.SessionOp] = collections.deque()
+        #: Operations queued by calling threads (id, kind, request, group key), moved to the
+        #: outbox on the loop.
+        self._inbox: collections.deque[tuple[int, str, Any, Any]] = collections.deque()
         self._drain_pending = False
         self.users = 0
         #: Set when the coordinator does not serve Session (an older one): unary calls only.
         self.unsupported: str | None = None
         # Loop-thread state.
         self._outbox: list[pb.SessionOp] = []
+        #: The outbox's groups by key (see _drain); whether this stream's coordinator takes them.
+        self._groups: dict[Any, pb.SessionOp] = {}
+        self._grouping = False
         self._channel: grpc.aio.Channel | None = None
         self._call: Any = None
         self._has_work: asyncio.Event | None = None
@@ -128,10 +133,11 @@ class Session:
         self._refusals = 0
 
     # ------------------------------------------------------------------ calling threads
-    def call(self, kind: str, request: Any, timeout_s: float) -> Any:
+    def call(self, kind: str, request: Any, timeout_s: float, group: Any = None) -> Any:
         """Runs one operation; returns the unary RPC's response message. Raises :class:`OpError`
         (the operation's status, or DEADLINE_EXCEEDED when no answer came within ``timeout_s``)
-        or :class:`StreamBroken`."""
+        or :class:`StreamBroken`. Operations with the same ``group`` key (a get or barrier
+        whose fields, but the caller's and wait_s, are the key) may travel as one."""
         if self.unsupported is not None:
             raise StreamBroken(self.unsupported)
         if _eventloop.on_loop_thread():
@@ -139,7 +145,7 @@ class Session:
         op_id = next(self._ids)
         waiter = _Waiter()
         self._waiters[op_id] = waiter
-        self._inbox.append(pb.SessionOp(id=op_id, **{kind: request}))
+        self._inbox.append((op_id, kind, request, group))
         if not self._drain_pending:
             # Why the flag: one wake-up of the loop (a write to its self-pipe) for every batch
             # of operations that arrive together, not one per operation.
@@ -171,12 +177,30 @@ class Session:
     def _drain(self) -> None:
         self._drain_pending = False  # before taking: an op queued from now on schedules a drain
         inbox, outbox = self._inbox, self._outbox
-        while inbox:
-            outbox.append(inbox.popleft())
-        if not outbox:
+        if not inbox:
             return
         if self._call is None:
             self._open()
+        # Why groups: the ranks of one process arriving at the same barrier (or getting the same
+        # key) cost the coordinator one wait and one result instead of one each, and this
+        # process one result to read. Only ops not yet written join a group.
+        groups = self._groups if self._grouping else None
+        while inbox:
+            op_id, kind, request, group = inbox.popleft()
+            if group is not None and groups is not None:
+                lead = groups.get(group)
+                if lead is not None:
+                    lead.also.add(id=op_id, caller=request.caller)
+                    lead_request = getattr(lead, kind)
+                    # The group is answered at its earliest deadline; a member with time left
+                    # asks again, as after any slice of a long poll.
+                    if request.wait_s < lead_request.wait_s:
+                        lead_request.wait_s = request.wait_s
+                    continue
+                op = groups[group] = pb.SessionOp(id=op_id, **{kind: request})
+            else:
+                op = pb.SessionOp(id=op_id, **{kind: request})
+            outbox.append(op)
         assert self._has_work is not None
         self._has_work.set()
 
@@ -190,6 +214,8 @@ class Session:
         self._has_work = has_work = asyncio.Event()
         self._sent = set()
         self._replied = False
+        self._grouping = False  # until this stream's coordinator says it takes groups
+        self._groups = {}
         # Why kept: the loop holds tasks weakly; an unreferenced pending task can be collected.
         self._tasks = (asyncio.ensure_future(self._write(call, has_work)), asyncio.ensure_future(self._read(call)))
 
@@ -199,8 +225,13 @@ class Session:
                 await has_work.wait()
                 has_work.clear()
                 batch, self._outbox = self._outbox, []
+                self._groups = {}
                 if batch:
-                    self._sent.update(op.id for op in batch)
+                    sent = self._sent
+                    for op in batch:
+                        sent.add(op.id)
+                        if op.also:
+                            sent.update(member.id for member in op.also)
                     await call.write(pb.SessionRequest(ops=batch))
         except asyncio.CancelledError:
             self._broken(call, "cancelled")
@@ -232,17 +263,23 @@ class Session:
     async def _read(self, call: Any) -> None:
         why = "the coordinator ended the stream"
         try:
+            metadata = await call.initial_metadata()
+            if self._call is call:
+                self._grouping = any(key == SESSION_FEATURES_KEY and "group" in str(value).split(",")
+                                     for key, value in metadata or ())
+            sent, waiters = self._sent, self._waiters
             async for reply in call:
                 if not self._replied:
                     self._replied = True
                     self._refusals = 0
                 ready = []
                 for result in reply.results:
-                    self._sent.discard(result.id)
-                    waiter = self._waiters.pop(result.id, None)
-                    if waiter is not None:
-                        waiter.result = result
-                        ready.append(waiter)
+                    for op_id in (result.id, *result.also) if result.also else (result.id,):
+                        sent.discard(op_id)
+                        waiter = waiters.pop(op_id, None)
+                        if waiter is not None:
+                            waiter.result = result
+                            ready.append(waiter)
                 _wake_tree(ready)
         except asyncio.CancelledError:
             self._broken(call, "cancelled")
@@ -259,8 +296,11 @@ class Session:
         call.cancel()
         if self._has_work is not None:
             self._has_work.set()  # ends this stream's writer
-        lost = self._sent | {op.id for op in self._outbox}
-        self._sent, self._outbox = set(), []
+        lost = set(self._sent)
+        for op in self._outbox:
+            lost.add(op.id)
+            lost.update(member.id for member in op.also)
+        self._sent, self._outbox, self._groups = set(), [], {}
         ready = []
         for op_id in lost:
             waiter = self._waiters.pop(op_id, None)

@@ -769,3 +769,182 @@ def test_the_same_barrier_arrival_twice_on_a_stream_counts_once():
         assert [(r.code, r.barrier.seq) for r in session.wait([5, 6]).values()] == [(0, 1), (0, 1)]
         assert pending_barrier(server.port, "once") is None
         assert server.state.barriers["once"].completed == 1
+
+
+# ------------------------------------------------------------------------------------ 6. groups
+
+
+def by_id(results: Sequence[pb.SessionResult]) -> dict[int, pb.SessionResult]:
+    """Each operation id answered so far, a group's result under every id it answers."""
+    answered: dict[int, pb.SessionResult] = {}
+    for result in results:
+        for op_id in (result.id, *result.also):
+            assert op_id not in answered, f"operation {op_id} was answered twice"
+            answered[op_id] = result
+    return answered
+
+
+def wait_ids(session: RawSession, ids: Sequence[int], timeout_s: float = 10.0) -> dict[int, pb.SessionResult]:
+    """The results for ``ids``, counting the ids a group's result answers."""
+    want = set(ids)
+    with session._cv:
+        session._cv.wait_for(lambda: want <= set(by_id(session.results)) or session.ended, timeout_s)
+        got = {i: r for i, r in by_id(session.results).items() if i in want}
+    assert set(got) == want, f"results for {sorted(want - set(got))} missing after {timeout_s} s; error {session.error}"
+    return got
+
+
+def grouped(lead_id: int, kind: str, request: Any, members: Sequence[tuple[int, pb.Caller]]) -> pb.SessionOp:
+    return pb.SessionOp(id=lead_id, also=[pb.GroupMember(id=i, caller=c) for i, c in members], **{kind: request})
+
+
+@pytest.mark.timeout(30)
+def test_the_coordinator_says_it_takes_groups():
+    with coordinator(1) as (server, channel), raw_session(channel) as session:
+        metadata = dict(session.call.initial_metadata())
+        assert "group" in metadata.get("gridcomm-session-features", "").split(","), metadata
+
+
+@pytest.mark.timeout(30)
+def test_a_grouped_barrier_arrives_for_every_member_and_is_answered_once():
+    with coordinator(4) as (server, channel), raw_session(channel) as session:
+        callers = join_on_stream(session, server, 4)
+        before = len(session.results)
+        session.send(grouped(1, "barrier", pb.BarrierRequest(caller=callers[0], name="g", seq=1, wait_s=5.0),
+                             [(2, callers[1]), (3, callers[2])]))
+        # Every member arrived (the Status RPC lists them), and only rank 3 is awaited.
+        wait_for(lambda: arrived(server.port, "g") == [0, 1, 2], "the group's three arrivals")
+        assert list(pending_barrier(server.port, "g").missing_ranks) == [3]
+        session.send(op(4, barrier=pb.BarrierRequest(caller=callers[3], name="g", seq=1, wait_s=5.0)))
+        got = wait_ids(session, [1, 2, 3, 4])
+        assert {i: (r.code, r.barrier.seq) for i, r in got.items()} == {1: (0, 1), 2: (0, 1), 3: (0, 1), 4: (0, 1)}
+        assert got[1] is got[2] is got[3], "the group was not answered by one result"
+        assert len(session.results) - before == 2
+        assert server._servicer.grouped == 2
+        # A second instance by the same group completes as well (each member's seq counted).
+        session.send(grouped(5, "barrier", pb.BarrierRequest(caller=callers[3], name="g", seq=2, wait_s=5.0),
+                             [(6, callers[0]), (7, callers[1]), (8, callers[2])]))
+        assert {r.barrier.seq for r in wait_ids(session, [5, 6, 7, 8]).values()} == {2}
+        assert server.state.barriers["g"].completed == 2
+
+
+@pytest.mark.timeout(30)
+def test_a_refused_member_is_answered_alone_as_its_unary_call_and_the_rest_go_on():
+    with coordinator(3) as (server, channel), raw_session(channel) as session:
+        callers = join_on_stream(session, server, 3)
+        stub = pb_grpc.CoordinatorStub(channel)
+        stale = pb.Caller(job_id=server.job_id, rank=2, incarnation=callers[2].incarnation,
+                          generation=callers[2].generation + 3)
+        other_job = pb.Caller(job_id="someone-else", rank=1)
+        # What the unary calls of the two bad members answer (neither arrives, so both can be asked first).
+        unary_stale = ours(call_unary(stub.Barrier, pb.BarrierRequest(caller=stale, name="m", seq=1, wait_s=0.1)))
+        unary_other = ours(call_unary(stub.Barrier, pb.BarrierRequest(caller=other_job, name="m", seq=1, wait_s=0.1)))
+        assert unary_stale[0] is grpc.StatusCode.FAILED_PRECONDITION and unary_other[0] is grpc.StatusCode.INVALID_ARGUMENT
+        session.send(grouped(1, "barrier", pb.BarrierRequest(caller=stale, name="m", seq=1, wait_s=0.5),
+                             [(2, callers[0]), (3, other_job), (4, callers[1])]))
+        got = wait_ids(session, [1, 2, 3, 4])
+        assert as_outcome(got[1]) == unary_stale
+        assert as_outcome(got[3]) == unary_other
+        assert got[1].also == [] and got[3].also == [], "a refused member's result answered others too"
+        # The two good members arrived and wait together for rank 2, at the group's deadline.
+        assert got[2] is got[4] and sorted((got[2].id, *got[2].also)) == [2, 4]
+        assert as_outcome(got[2])[0] is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert as_outcome(got[2])[2] == {"gridcomm-missing-ranks": "2"}
+        # Every member refused: each answered alone, nothing arrives.
+        session.send(grouped(5, "barrier", pb.BarrierRequest(caller=stale, name="n", seq=1, wait_s=0.5),
+                             [(6, other_job)]))
+        got = wait_ids(session, [5, 6])
+        assert as_outcome(got[5]) == unary_stale and got[5] is not got[6]
+        assert pending_barrier(server.port, "n") is None
+
+
+@pytest.mark.timeout(30)
+def test_a_grouped_get_waits_once_and_answers_every_member_with_the_value():
+    with coordinator(3) as (server, channel), raw_session(channel) as session:
+        callers = join_on_stream(session, server, 3)
+        session.send(grouped(1, "get", pb.GetRequest(caller=callers[1], key="blob", wait_s=5.0), [(2, callers[2])]))
+        time.sleep(0.2)
+        assert not set(by_id(session.results)) & {1, 2}, "answered before the key was set"
+        session.send(op(3, set=pb.SetRequest(caller=callers[0], key="blob", value=b"x" * 128)))
+        got = wait_ids(session, [1, 2, 3])
+        assert got[1] is got[2] and (got[1].code, got[1].get.value) == (0, b"x" * 128)
+        # Already set: answered at once, still one result.
+        session.send(grouped(4, "get", pb.GetRequest(caller=callers[0], key="blob", wait_s=5.0),
+                             [(5, callers[1]), (6, callers[2])]))
+        got = wait_ids(session, [4, 5, 6])
+        assert got[4] is got[5] is got[6] and got[4].get.value == b"x" * 128
+        # A group that times out names the key, once for all.
+        session.send(grouped(7, "get", pb.GetRequest(caller=callers[0], key="never", wait_s=0.3), [(8, callers[1])]))
+        got = wait_ids(session, [7, 8])
+        assert got[7] is got[8] and as_outcome(got[7])[0] is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "never" in got[7].details
+
+
+@pytest.mark.timeout(30)
+def test_groups_of_what_cannot_be_grouped_or_too_large_are_refused_for_every_member():
+    with coordinator(2) as (server, channel), raw_session(channel) as session:
+        callers = join_on_stream(session, server, 2)
+        session.send(grouped(1, "set", pb.SetRequest(caller=callers[0], key="k", value=b"v"), [(2, callers[1])]))
+        got = wait_ids(session, [1, 2])
+        assert got[1] is got[2] and as_outcome(got[1])[0] is grpc.StatusCode.INVALID_ARGUMENT
+        assert "cannot be grouped" in got[1].details
+        assert server.state.get("k") is None, "a refused group was carried out"
+        session.send(grouped(3, "barrier", pb.BarrierRequest(caller=callers[0], name="big", seq=1, wait_s=1.0),
+                             [(10 + i, callers[i % 2]) for i in range(2)]))
+        got = wait_ids(session, [3, 10, 11])
+        assert got[3] is got[10] is got[11] and as_outcome(got[3])[0] is grpc.StatusCode.INVALID_ARGUMENT
+        assert "larger than the job" in got[3].details
+        assert pending_barrier(server.port, "big") is None
+        # The stream serves on.
+        session.send(op(20, barrier=pb.BarrierRequest(caller=callers[0], name="b", seq=1, wait_s=5.0)),
+                     op(21, barrier=pb.BarrierRequest(caller=callers[1], name="b", seq=1, wait_s=5.0)))
+        assert {r.code for r in wait_ids(session, [20, 21]).values()} == {0}
+
+
+@pytest.mark.timeout(60)
+def test_the_ranks_of_one_process_are_grouped_and_each_sees_its_own_errors(coordinator_factory):
+    """16 ranks as threads of this process, 20 back-to-back barriers and a get of one key: the
+    coordinator received some of them as groups, and every rank passed every barrier; then a rank
+    whose caller is stale (a rejoined generation it missed) gets its own error, not the group's."""
+    world = 16
+    server = coordinator_factory(world)
+    with clients(server.port, world, "process") as made:
+        on_threads(lambda c: c.join(), made)
+
+        def rank_main(c: gridcomm.CoordinatorClient) -> bytes:
+            for _ in range(20):
+                c.barrier("loop")
+            if c.rank == 0:
+                c.set("blob", b"b" * 128)
+            return c.get("blob")
+
+        assert on_threads(rank_main, made) == [b"b" * 128] * world
+        assert server.state.barriers["loop"].completed == 20
+        assert server._servicer.grouped > 0, "no operation of 16 threads came grouped"
+        # Rank 5's client believes in a generation the job is not at: only it is refused.
+        made[5].generation += 1
+
+        def last(c: gridcomm.CoordinatorClient) -> str:
+            try:
+                c.barrier("last", timeout_s=2.0)
+            except gridcomm.GridcommError as exc:
+                return type(exc).__name__ + ": " + str(exc)
+            return "ok"
+
+        outcomes = on_threads(last, [c for c in made])
+        assert "generation" in outcomes[5] and outcomes[5] != "ok", outcomes[5]
+        # The others wait for rank 5, which never arrived: they time out naming it.
+        assert all(o.startswith("RendezvousTimeout") and "[5]" in o for i, o in enumerate(outcomes) if i != 5), outcomes
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_that_does_not_say_it_takes_groups_gets_none(coordinator_factory, monkeypatch):
+    from gridcomm import _server
+    monkeypatch.setattr(_server, "SESSION_FEATURES", "something-else")
+    world = 8
+    server = coordinator_factory(world)
+    with clients(server.port, world, "process") as made:
+        on_threads(lambda c: c.join(), made)
+        on_threads(lambda c: [c.barrier("x") for _ in range(10)], made)
+    assert server.state.barriers["x"].completed == 10
+    assert server._servicer.grouped == 0
