@@ -220,11 +220,12 @@ class CoordinatorClient:
             raise translate(exc, what, self.target) from exc
 
     def _op(self, kind: str, request: Any, what: str, timeout_s: float, *, wait_for_ready: bool = False,
-            group: Any = None) -> Any:
+            group: Any = None, hold: bool = False) -> Any:
         """One coordinator operation: on the Session stream where there is one, else (or when
         the stream breaks; every operation is idempotent) as its unary RPC. ``group``: the key
         under which the same operation by other clients of this process's stream may travel
-        with this one (see :meth:`_session.Session.call`)."""
+        with this one, ``hold`` whether it may wait briefly for them (see
+        :meth:`_session.Session.call`)."""
         if self._closed:
             raise CommAborted(f"{what}: this client was closed.")
         if self.session_mode != "off":
@@ -233,7 +234,7 @@ class CoordinatorClient:
                                                  self if self.session_mode == "client" else None)
             started = time.monotonic()
             try:
-                return self._session.call(kind, request, timeout_s, group)
+                return self._session.call(kind, request, timeout_s, group, hold)
             except _session.OpError as exc:
                 raise translate(exc, what, self.target) from None
             except _session.StreamBroken as exc:
@@ -310,7 +311,7 @@ class CoordinatorClient:
 
         def attempt(wait_s: float, call_s: float) -> pb.GetResponse:
             request = pb.GetRequest(caller=self.caller, key=key, wait_s=wait_s)
-            return self._op("get", request, f"rank {self.rank}: get {key!r}", call_s, group=("get", key))
+            return self._op("get", request, f"rank {self.rank}: get {key!r}", call_s, group=("get", key), hold=True)
 
         return self._long_poll(f"rank {self.rank}: get {key!r}", timeout_s, attempt,
                                lambda missing: f"still waiting for key {key!r}").value
@@ -327,7 +328,7 @@ class CoordinatorClient:
 
         def attempt(wait_s: float, call_s: float) -> pb.BarrierResponse:
             request = pb.BarrierRequest(caller=self.caller, name=name, seq=seq, wait_s=wait_s, participants=participants)
-            return self._op("barrier", request, what, call_s, group=group)
+            return self._op("barrier", request, what, call_s, group=group, hold=not participants)
 
         # Why: the seq advances even if this wait fails, since the coordinator recorded the arrival.
         self._barrier_seq[name] = seq

@@ -7,6 +7,12 @@ operations that arrive together travel as one message. By default every client o
 dials the same coordinator with the same credentials shares one stream (GRIDCOMM_SESSION=process);
 ``client`` gives each client its own stream and ``off`` uses the unary RPCs only.
 
+Groups: when several clients of a stream make the same barrier arrival or the same get, they
+travel as one operation (``SessionOp.also`` lists the other callers) and one result answers them
+all, so the coordinator waits once and writes once per process instead of once per rank. A
+whole-job barrier or a get is held up to GROUP_HOLD_S for the stream's other users to join it.
+Groups go only to a coordinator that advertises them in the stream's initial metadata.
+
 The stream lives on the process-wide background loop (:mod:`gridcomm._eventloop`): no thread per
 client. A calling thread queues its operation and waits, bounded, for its result. Every operation
 is idempotent (barrier arrivals carry a sequence number, joins an incarnation), so when the stream
@@ -83,6 +89,9 @@ class _Waiter:
 #: How many waiters each woken waiter wakes in turn (see _wake_tree).
 _FANOUT = 4
 
+#: How long a group of a stream with several users waits for the rest of them (see _drain).
+GROUP_HOLD_S = 0.002
+
 
 def _wake_tree(waiters: list[_Waiter]) -> None:
     """Wakes the waiters of one reply as a tree: the loop wakes the first, each waiter wakes the
@@ -111,9 +120,9 @@ class Session:
         self._loop = _eventloop.loop()
         self._ids = itertools.count(1)
         self._waiters: dict[int, _Waiter] = {}
-        #: Operations queued by calling threads (id, kind, request, group key), moved to the
-        #: outbox on the loop.
-        self._inbox: collections.deque[tuple[int, str, Any, Any]] = collections.deque()
+        #: Operations queued by calling threads (id, kind, request, group key, hold), moved to
+        #: the outbox on the loop.
+        self._inbox: collections.deque[tuple[int, str, Any, Any, bool]] = collections.deque()
         self._drain_pending = False
         self.users = 0
         #: Set when the coordinator does not serve Session (an older one): unary calls only.
@@ -123,6 +132,7 @@ class Session:
         #: The outbox's groups by key (see _drain); whether this stream's coordinator takes them.
         self._groups: dict[Any, pb.SessionOp] = {}
         self._grouping = False
+        self._hold: asyncio.TimerHandle | None = None
         self._channel: grpc.aio.Channel | None = None
         self._call: Any = None
         self._has_work: asyncio.Event | None = None
@@ -133,11 +143,13 @@ class Session:
         self._refusals = 0
 
     # ------------------------------------------------------------------ calling threads
-    def call(self, kind: str, request: Any, timeout_s: float, group: Any = None) -> Any:
+    def call(self, kind: str, request: Any, timeout_s: float, group: Any = None, hold: bool = False) -> Any:
         """Runs one operation; returns the unary RPC's response message. Raises :class:`OpError`
         (the operation's status, or DEADLINE_EXCEEDED when no answer came within ``timeout_s``)
         or :class:`StreamBroken`. Operations with the same ``group`` key (a get or barrier
-        whose fields, but the caller's and wait_s, are the key) may travel as one."""
+        whose fields, but the caller's and wait_s, are the key) may travel as one; ``hold``: the
+        operation is one that every client of this process usually makes (a whole-job barrier,
+        a rendezvous get), so it may wait briefly for the others (see _drain)."""
         if self.unsupported is not None:
             raise StreamBroken(self.unsupported)
         if _eventloop.on_loop_thread():
@@ -145,7 +157,7 @@ class Session:
         op_id = next(self._ids)
         waiter = _Waiter()
         self._waiters[op_id] = waiter
-        self._inbox.append((op_id, kind, request, group))
+        self._inbox.append((op_id, kind, request, group, hold))
         if not self._drain_pending:
             # Why the flag: one wake-up of the loop (a write to its self-pipe) for every batch
             # of operations that arrive together, not one per operation.
@@ -185,8 +197,12 @@ class Session:
         # key) cost the coordinator one wait and one result instead of one each, and this
         # process one result to read. Only ops not yet written join a group.
         groups = self._groups if self._grouping else None
+        users = self.users
+        urgent = groups is None or users < 2
         while inbox:
-            op_id, kind, request, group = inbox.popleft()
+            op_id, kind, request, group, hold = inbox.popleft()
+            if not hold:
+                urgent = True
             if group is not None and groups is not None:
                 lead = groups.get(group)
                 if lead is not None:
@@ -201,8 +217,24 @@ class Session:
             else:
                 op = pb.SessionOp(id=op_id, **{kind: request})
             outbox.append(op)
-        assert self._has_work is not None
-        self._has_work.set()
+        # Why hold: the ranks of a process reach a barrier one after another (each needs the
+        # GIL), so sending at once splits them over several messages, each costing both sides a
+        # gRPC read and write. A group that every user usually joins waits, at most
+        # GROUP_HOLD_S, until every user of this stream has joined it; any other operation (or
+        # a group that every user has joined) sends the whole outbox at once.
+        if not urgent:
+            urgent = all(len(lead.also) + 1 >= users for lead in groups.values())  # type: ignore[union-attr]
+        if urgent:
+            self._send()
+        elif self._hold is None:
+            self._hold = self._loop.call_later(GROUP_HOLD_S, self._send)
+
+    def _send(self) -> None:
+        if self._hold is not None:
+            self._hold.cancel()
+            self._hold = None
+        if self._has_work is not None:
+            self._has_work.set()
 
     def _open(self) -> None:
         if self._channel is None:

@@ -16,6 +16,12 @@ coordinators on loopback, with real clients (threads, one per rank) and hand-mad
    unary RPCs to a real coordinator, as an older coordinator would answer), and a stream cut
    mid-wait by a TCP proxy between client and coordinator.
 5. Idempotence: the same barrier arrival (same seq) sent twice on a stream is counted once.
+6. Groups (SessionOp.also): the coordinator advertises them; a grouped barrier arrives for every
+   member and is answered by one result; a refused member is answered alone, as its unary call;
+   a grouped get; groups of what cannot be grouped, or larger than the job, are refused for every
+   member; the threads of one process are grouped end to end and still see their own errors; no
+   groups go to a coordinator that does not advertise them; an operation held for the other
+   clients of a stream still goes out when they never make it.
 """
 
 from __future__ import annotations
@@ -830,8 +836,8 @@ def test_a_grouped_barrier_arrives_for_every_member_and_is_answered_once():
 
 @pytest.mark.timeout(30)
 def test_a_refused_member_is_answered_alone_as_its_unary_call_and_the_rest_go_on():
-    with coordinator(3) as (server, channel), raw_session(channel) as session:
-        callers = join_on_stream(session, server, 3)
+    with coordinator(4) as (server, channel), raw_session(channel) as session:
+        callers = join_on_stream(session, server, 4)
         stub = pb_grpc.CoordinatorStub(channel)
         stale = pb.Caller(job_id=server.job_id, rank=2, incarnation=callers[2].incarnation,
                           generation=callers[2].generation + 3)
@@ -849,7 +855,7 @@ def test_a_refused_member_is_answered_alone_as_its_unary_call_and_the_rest_go_on
         # The two good members arrived and wait together for rank 2, at the group's deadline.
         assert got[2] is got[4] and sorted((got[2].id, *got[2].also)) == [2, 4]
         assert as_outcome(got[2])[0] is grpc.StatusCode.DEADLINE_EXCEEDED
-        assert as_outcome(got[2])[2] == {"gridcomm-missing-ranks": "2"}
+        assert as_outcome(got[2])[2] == {"gridcomm-missing-ranks": "2,3"}
         # Every member refused: each answered alone, nothing arrives.
         session.send(grouped(5, "barrier", pb.BarrierRequest(caller=stale, name="n", seq=1, wait_s=0.5),
                              [(6, other_job)]))
@@ -948,3 +954,27 @@ def test_a_coordinator_that_does_not_say_it_takes_groups_gets_none(coordinator_f
         on_threads(lambda c: [c.barrier("x") for _ in range(10)], made)
     assert server.state.barriers["x"].completed == 10
     assert server._servicer.grouped == 0
+
+
+@pytest.mark.timeout(60)
+def test_an_operation_held_for_the_other_clients_is_sent_when_they_do_not_come(coordinator_factory):
+    """A whole-job barrier or a get waits briefly for the other clients of its stream to make it
+    too; one that the others never make still goes out, and an operation that is not held (a
+    set, a barrier of some ranks) sends what is held with it."""
+    world = 4
+    server = coordinator_factory(world)
+    with clients(server.port, world, "process") as made:
+        on_threads(lambda c: c.join(), made)
+        made[0].set("k", b"v")
+        for _ in range(5):
+            assert made[0].get("k", timeout_s=5.0) == b"v"  # only client 0 asks
+        # A get held for a key that a set of another client of the stream then provides.
+        got: queue.Queue[bytes] = queue.Queue()
+        waiter = threading.Thread(target=lambda: got.put(made[1].get("later", timeout_s=10.0)), daemon=True)
+        waiter.start()
+        made[2].set("later", b"w")
+        assert got.get(timeout=10.0) == b"w"
+        on_threads(lambda c: c.barrier("some", participants=[0, 1], timeout_s=5.0), made[:2])
+        on_threads(lambda c: [c.barrier("all", timeout_s=5.0) for _ in range(5)], made)
+        assert server.state.barriers["all"].completed == 5
+        assert server.state.barriers["some"].completed == 1
