@@ -220,11 +220,11 @@ class CoordinatorClient:
             raise translate(exc, what, self.target) from exc
 
     def _op(self, kind: str, request: Any, what: str, timeout_s: float, *, wait_for_ready: bool = False,
-            group: Any = None, hold: bool = False) -> Any:
+            group: Any = None, hold: float = 0.0) -> Any:
         """One coordinator operation: on the Session stream where there is one, else (or when
         the stream breaks; every operation is idempotent) as its unary RPC. ``group``: the key
         under which the same operation by other clients of this process's stream may travel
-        with this one, ``hold`` whether it may wait briefly for them (see
+        with this one, ``hold`` how long it may wait for them (see
         :meth:`_session.Session.call`)."""
         if self._closed:
             raise CommAborted(f"{what}: this client was closed.")
@@ -311,7 +311,8 @@ class CoordinatorClient:
 
         def attempt(wait_s: float, call_s: float) -> pb.GetResponse:
             request = pb.GetRequest(caller=self.caller, key=key, wait_s=wait_s)
-            return self._op("get", request, f"rank {self.rank}: get {key!r}", call_s, group=("get", key), hold=True)
+            return self._op("get", request, f"rank {self.rank}: get {key!r}", call_s, group=("get", key),
+                            hold=_session.HOLD_GET_S)
 
         return self._long_poll(f"rank {self.rank}: get {key!r}", timeout_s, attempt,
                                lambda missing: f"still waiting for key {key!r}").value
@@ -328,7 +329,8 @@ class CoordinatorClient:
 
         def attempt(wait_s: float, call_s: float) -> pb.BarrierResponse:
             request = pb.BarrierRequest(caller=self.caller, name=name, seq=seq, wait_s=wait_s, participants=participants)
-            return self._op("barrier", request, what, call_s, group=group, hold=not participants)
+            return self._op("barrier", request, what, call_s, group=group,
+                            hold=0.0 if participants else _session.HOLD_BARRIER_S)
 
         # Why: the seq advances even if this wait fails, since the coordinator recorded the arrival.
         self._barrier_seq[name] = seq

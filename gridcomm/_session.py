@@ -10,7 +10,8 @@ dials the same coordinator with the same credentials shares one stream (GRIDCOMM
 Groups: when several clients of a stream make the same barrier arrival or the same get, they
 travel as one operation (``SessionOp.also`` lists the other callers) and one result answers them
 all, so the coordinator waits once and writes once per process instead of once per rank. A
-whole-job barrier or a get is held up to GROUP_HOLD_S for the stream's other users to join it.
+whole-job barrier is held up to HOLD_BARRIER_S, a get up to HOLD_GET_S, for the stream's other
+users to join it (sent at once when they all have).
 Groups go only to a coordinator that advertises them in the stream's initial metadata.
 
 The stream lives on the process-wide background loop (:mod:`gridcomm._eventloop`): no thread per
@@ -87,17 +88,23 @@ class _Waiter:
 
 
 #: How many waiters each woken waiter wakes in turn (see _wake_tree).
-_FANOUT = 4
+_FANOUT = 2
 
-#: How long a group of a stream with several users waits for the rest of them (see _drain).
-GROUP_HOLD_S = 0.002
+#: How long a group of a stream with several users waits for the rest of them (see _drain). A
+#: whole-job barrier cannot complete before the last of its ranks arrives anyway, so holding the
+#: early arrivals of a process costs it nothing; a get may be made by one rank only, so it waits
+#: less.
+HOLD_BARRIER_S = 0.02
+HOLD_GET_S = 0.002
 
 
 def _wake_tree(waiters: list[_Waiter]) -> None:
     """Wakes the waiters of one reply as a tree: the loop wakes the first, each waiter wakes the
     next _FANOUT once it runs. Why: hundreds of threads woken at once fight over the GIL (at
     8,192 ranks as 32 processes x 256 threads, a barrier cost 2.0 s woken all at once, 0.74 s
-    with a fan-out of 4, 1.1 s with a plain chain; at 2,048 ranks 110 ms, 95 ms and 180 ms)."""
+    with a fan-out of 4, 1.1 s with a plain chain; at 2,048 ranks 110 ms, 95 ms and 180 ms).
+    Once groups came, a fan-out of 2 beat 4 at 256 and 512 threads per process (8,192 ranks
+    351 vs 414-455 ms per barrier, 16,384 ranks 2.08-2.15 s vs 2.54-2.59 s) and tied at 16-64."""
     n = len(waiters)
     for i, waiter in enumerate(waiters):
         first = _FANOUT * i + 1
@@ -120,9 +127,9 @@ class Session:
         self._loop = _eventloop.loop()
         self._ids = itertools.count(1)
         self._waiters: dict[int, _Waiter] = {}
-        #: Operations queued by calling threads (id, kind, request, group key, hold), moved to
-        #: the outbox on the loop.
-        self._inbox: collections.deque[tuple[int, str, Any, Any, bool]] = collections.deque()
+        #: Operations queued by calling threads (id, kind, request, group key, hold seconds),
+        #: moved to the outbox on the loop.
+        self._inbox: collections.deque[tuple[int, str, Any, Any, float]] = collections.deque()
         self._drain_pending = False
         self.users = 0
         #: Set when the coordinator does not serve Session (an older one): unary calls only.
@@ -132,7 +139,12 @@ class Session:
         #: The outbox's groups by key (see _drain); whether this stream's coordinator takes them.
         self._groups: dict[Any, pb.SessionOp] = {}
         self._grouping = False
+        #: The pending hold: its timer, when it ends, how long it was, and the operations in
+        #: held groups (read by calling threads to decide whether to wake the loop).
         self._hold: asyncio.TimerHandle | None = None
+        self._hold_due = 0.0
+        self._hold_s = 0.0
+        self._held = 0
         self._channel: grpc.aio.Channel | None = None
         self._call: Any = None
         self._has_work: asyncio.Event | None = None
@@ -143,13 +155,13 @@ class Session:
         self._refusals = 0
 
     # ------------------------------------------------------------------ calling threads
-    def call(self, kind: str, request: Any, timeout_s: float, group: Any = None, hold: bool = False) -> Any:
+    def call(self, kind: str, request: Any, timeout_s: float, group: Any = None, hold: float = 0.0) -> Any:
         """Runs one operation; returns the unary RPC's response message. Raises :class:`OpError`
         (the operation's status, or DEADLINE_EXCEEDED when no answer came within ``timeout_s``)
         or :class:`StreamBroken`. Operations with the same ``group`` key (a get or barrier
-        whose fields, but the caller's and wait_s, are the key) may travel as one; ``hold``: the
-        operation is one that every client of this process usually makes (a whole-job barrier,
-        a rendezvous get), so it may wait briefly for the others (see _drain)."""
+        whose fields, but the caller's and wait_s, are the key) may travel as one; ``hold``: how
+        long it may wait for the other clients of this stream to make it too (an operation that
+        every client usually makes: a whole-job barrier, a rendezvous get; see _drain)."""
         if self.unsupported is not None:
             raise StreamBroken(self.unsupported)
         if _eventloop.on_loop_thread():
@@ -158,9 +170,13 @@ class Session:
         waiter = _Waiter()
         self._waiters[op_id] = waiter
         self._inbox.append((op_id, kind, request, group, hold))
-        if not self._drain_pending:
-            # Why the flag: one wake-up of the loop (a write to its self-pipe) for every batch
-            # of operations that arrive together, not one per operation.
+        # Why the flag: one wake-up of the loop (a write to its self-pipe) for every batch of
+        # operations that arrive together, not one per operation. While a hold is pending, an
+        # operation that may wait as long does not wake the loop unless it can complete the
+        # held groups: the hold's timer takes it (the loop re-checks the inbox whenever a hold
+        # ends, so an operation queued as it ends is not left behind).
+        if not self._drain_pending and not (hold and self._hold is not None and hold >= self._hold_s
+                                            and len(self._inbox) + self._held < self.users):
             self._drain_pending = True
             try:
                 self._loop.call_soon_threadsafe(self._drain)
@@ -186,10 +202,12 @@ class Session:
         return getattr(result, kind)
 
     # ------------------------------------------------------------------ loop thread
-    def _drain(self) -> None:
+    def _drain(self, force: bool = False) -> None:
         self._drain_pending = False  # before taking: an op queued from now on schedules a drain
         inbox, outbox = self._inbox, self._outbox
         if not inbox:
+            if force:
+                self._send()
             return
         if self._call is None:
             self._open()
@@ -198,11 +216,14 @@ class Session:
         # process one result to read. Only ops not yet written join a group.
         groups = self._groups if self._grouping else None
         users = self.users
-        urgent = groups is None or users < 2
+        urgent = force or groups is None or users < 2
+        shortest = HOLD_BARRIER_S
         while inbox:
             op_id, kind, request, group, hold = inbox.popleft()
             if not hold:
                 urgent = True
+            elif hold < shortest:
+                shortest = hold
             if group is not None and groups is not None:
                 lead = groups.get(group)
                 if lead is not None:
@@ -219,22 +240,39 @@ class Session:
             outbox.append(op)
         # Why hold: the ranks of a process reach a barrier one after another (each needs the
         # GIL), so sending at once splits them over several messages, each costing both sides a
-        # gRPC read and write. A group that every user usually joins waits, at most
-        # GROUP_HOLD_S, until every user of this stream has joined it; any other operation (or
-        # a group that every user has joined) sends the whole outbox at once.
+        # gRPC read and write. A group that every user usually joins waits (see HOLD_BARRIER_S)
+        # until every user of this stream has joined it; any other operation (or a group that
+        # every user has joined) sends the whole outbox at once.
         if not urgent:
-            urgent = all(len(lead.also) + 1 >= users for lead in groups.values())  # type: ignore[union-attr]
+            assert groups is not None
+            sizes = [len(lead.also) + 1 for lead in groups.values()]
+            urgent = min(sizes) >= users
+            self._held = sum(sizes)
         if urgent:
             self._send()
-        elif self._hold is None:
-            self._hold = self._loop.call_later(GROUP_HOLD_S, self._send)
+            return
+        due = self._loop.time() + shortest
+        if self._hold is None or due < self._hold_due:
+            if self._hold is not None:
+                self._hold.cancel()
+            self._hold = self._loop.call_at(due, self._hold_ended)
+            self._hold_due, self._hold_s = due, shortest
+
+    def _hold_ended(self) -> None:
+        self._hold = None
+        self._drain(force=True)
 
     def _send(self) -> None:
         if self._hold is not None:
             self._hold.cancel()
             self._hold = None
+        self._held = 0
         if self._has_work is not None:
             self._has_work.set()
+        if self._inbox and not self._drain_pending:
+            # An operation queued while this hold ended may have relied on it (see call).
+            self._drain_pending = True
+            self._loop.call_soon(self._drain)
 
     def _open(self) -> None:
         if self._channel is None:

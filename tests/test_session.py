@@ -975,6 +975,15 @@ def test_an_operation_held_for_the_other_clients_is_sent_when_they_do_not_come(c
         made[2].set("later", b"w")
         assert got.get(timeout=10.0) == b"w"
         on_threads(lambda c: c.barrier("some", participants=[0, 1], timeout_s=5.0), made[:2])
+
+        # A whole-job barrier whose last local rank comes late (beyond any hold) still completes.
+        def late(c: gridcomm.CoordinatorClient) -> None:
+            if c.rank == 3:
+                time.sleep(0.2)
+            c.barrier("late", timeout_s=5.0)
+
+        on_threads(late, made)
+        assert server.state.barriers["late"].completed == 1
         on_threads(lambda c: [c.barrier("all", timeout_s=5.0) for _ in range(5)], made)
         assert server.state.barriers["all"].completed == 5
         assert server.state.barriers["some"].completed == 1
