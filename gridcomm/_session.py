@@ -153,6 +153,8 @@ class Session:
         #: Whether the current stream got any reply; streams refused in a row without one.
         self._replied = False
         self._refusals = 0
+        #: Set by close(): nothing reopens the stream (what is still queued falls back to unary).
+        self._closed = False
 
     # ------------------------------------------------------------------ calling threads
     def call(self, kind: str, request: Any, timeout_s: float, group: Any = None, hold: float = 0.0) -> Any:
@@ -208,6 +210,15 @@ class Session:
         if not inbox:
             if force:
                 self._send()
+            return
+        if self._closed:
+            # A client closed while another thread of it was queuing: no new stream for a
+            # session nobody holds any more; the callers repeat as unary calls (and see the close).
+            while inbox:
+                waiter = self._waiters.pop(inbox.popleft()[0], None)
+                if waiter is not None:
+                    waiter.broken = f"the Session stream to {self._target} was closed"
+                    waiter.wake()
             return
         if self._call is None:
             self._open()
@@ -385,6 +396,20 @@ class Session:
 
     async def close(self) -> None:
         """Ends the stream and closes the channel (its connection goes at once)."""
+        self._closed = True
+        if self._hold is not None:
+            self._hold.cancel()
+            self._hold = None
+        # Why: an operation still queued or in flight (a thread of a client that another thread
+        # closed) is told now, not at its deadline; it repeats as a unary call, which a closed
+        # client refuses.
+        waiters = list(self._waiters.values())
+        self._waiters.clear()
+        self._inbox.clear()
+        self._outbox, self._groups, self._sent = [], {}, set()
+        for waiter in waiters:
+            waiter.broken = f"the Session stream to {self._target} was closed"
+            waiter.wake()
         call, self._call = self._call, None
         if self._has_work is not None:
             self._has_work.set()  # ends the writer

@@ -21,7 +21,8 @@ coordinators on loopback, with real clients (threads, one per rank) and hand-mad
    a grouped get; groups of what cannot be grouped, or larger than the job, are refused for every
    member; the threads of one process are grouped end to end and still see their own errors; no
    groups go to a coordinator that does not advertise them; an operation held for the other
-   clients of a stream still goes out when they never make it.
+   clients of a stream still goes out when they never make it; closing the clients ends an
+   operation in flight at once.
 """
 
 from __future__ import annotations
@@ -987,3 +988,30 @@ def test_an_operation_held_for_the_other_clients_is_sent_when_they_do_not_come(c
         on_threads(lambda c: [c.barrier("all", timeout_s=5.0) for _ in range(5)], made)
         assert server.state.barriers["all"].completed == 5
         assert server.state.barriers["some"].completed == 1
+
+
+@pytest.mark.timeout(60)
+def test_closing_the_clients_ends_a_waiting_operation_at_once(coordinator_factory):
+    """A barrier that another thread's close() interrupts ends with CommAborted at once, not at
+    its 30 s deadline (the stream is gone; the unary repeat is refused by the closed client)."""
+    server = coordinator_factory(3)
+    extra = client(server.port, 2, 3, "off")
+    try:
+        with clients(server.port, 3, "process", ranks=[0, 1]) as made:
+            on_threads(lambda c: c.join(), [*made, extra])
+            outcome_q: queue.Queue[str] = queue.Queue()
+
+            def wait() -> None:
+                try:
+                    made[0].barrier("waiting", timeout_s=30.0)
+                    outcome_q.put("passed")
+                except gridcomm.GridcommError as exc:
+                    outcome_q.put(type(exc).__name__)
+
+            threading.Thread(target=wait, daemon=True).start()
+            wait_for(lambda: arrived(server.port, "waiting") == [0], "rank 0 waiting at the coordinator")
+            for c in made:
+                c.close()
+            assert outcome_q.get(timeout=10.0) == "CommAborted"
+    finally:
+        extra.close()
