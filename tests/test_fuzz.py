@@ -608,7 +608,9 @@ class Job:
             candidate = BarrierModel(members)
         else:
             candidate = barrier
-            if participants and participants != barrier.members:
+            # No participants means every rank: a name opened for some ranks refuses it too
+            # (every member must name the same group).
+            if (participants or tuple(range(self.world_size))) != barrier.members:
                 refused = True
         if not refused and rank not in candidate.members:
             refused = True
@@ -1794,6 +1796,24 @@ def test_refused_barrier_arrival_leaves_no_trace():
         out = arrive(c0, "c", [0, 1])
         assert (out.code, out.trailing.get(MISSING_KEY)) == (DEADLINE, "1"), (out.code, out.details)
         assert arrive(c1, "c", [0, 1]).code is OK
+
+
+@pytest.mark.timeout(60)
+def test_a_name_opened_for_some_ranks_refuses_an_arrival_for_every_rank():
+    # Found by the fuzzer (the model had let it pass): rank 1 Barrier("p", seq=1, participants=[1])
+    # completes alone; rank 1 Barrier("p", seq=2, participants=[]) names every rank, another group.
+    with joined(3) as (channel, job):
+        stub = pb_grpc.CoordinatorStub(channel)
+        _, c1, _ = job.valid_callers()
+
+        def arrive(seq: int, participants: list[int]) -> Outcome:
+            return call_unary(stub.Barrier, pb.BarrierRequest(caller=c1, name="p", seq=seq, wait_s=0.05,
+                                                              participants=participants))
+
+        assert arrive(1, [1]).code is OK
+        out = arrive(2, [])
+        assert out.code is INVALID and "opened for [1]" in out.details, (out.code, out.details)
+        assert arrive(2, [1]).code is OK
 
 
 @pytest.mark.timeout(60)
