@@ -231,7 +231,7 @@ class Session:
         shortest = HOLD_BARRIER_S
         while inbox:
             op_id, kind, request, group, hold = inbox.popleft()
-            if not hold:
+            if not hold or group is None:
                 urgent = True
             elif hold < shortest:
                 shortest = hold
