@@ -41,7 +41,7 @@ def loop() -> asyncio.AbstractEventLoop:
                 new.call_soon(ready.set)
                 new.run_forever()
 
-            threading.Thread(target=run, name="gridcomm-liveness", daemon=True).start()
+            threading.Thread(target=run, name="gridcomm-loop", daemon=True).start()
             if not ready.wait(10.0):
                 raise GridcommError("the gridcomm background thread did not start within 10 s.")
             _loop, _pid = new, os.getpid()

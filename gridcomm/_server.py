@@ -382,10 +382,8 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         """A get's checks of one caller (each member of a Session group passes its own)."""
         return self._caller(caller, "get")  # type: ignore[no-any-return]
 
-    def _begin_get(self, request: pb.GetRequest, members: Sequence[Member] = ()) -> pb.GetResponse | _Parked:
-        """The value, or what to wait for; ``members`` were admitted already (a Session group)."""
-        if not members:
-            members = (self._admit_get(request, request.caller),)
+    def _begin_get(self, request: pb.GetRequest, members: Sequence[Member]) -> pb.GetResponse | _Parked:
+        """The value, or what to wait for; ``members`` (the caller, or a Session group) were admitted."""
         state = self._state
         key = request.key
         value = state.get(key)  # validates the key
@@ -399,7 +397,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
 
     @_handler
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> pb.GetResponse:
-        begun = self._begin_get(request)
+        begun = self._begin_get(request, (self._admit_get(request, request.caller),))
         if isinstance(begun, _Parked):
             return await self._finish(begun, request.wait_s, context)  # type: ignore[no-any-return]
         return begun
@@ -417,10 +415,8 @@ class _Servicer(pb_grpc.CoordinatorServicer):
             self._wake(("barrier", name, done_seq))
         return member  # type: ignore[no-any-return]
 
-    def _begin_barrier(self, request: pb.BarrierRequest, members: Sequence[Member] = ()) -> pb.BarrierResponse | _Parked:
-        """Done, or what to wait for; ``members`` arrived already (a Session group)."""
-        if not members:
-            members = (self._admit_barrier(request, request.caller),)
+    def _begin_barrier(self, request: pb.BarrierRequest, members: Sequence[Member]) -> pb.BarrierResponse | _Parked:
+        """Done, or what to wait for; ``members`` (the caller, or a Session group) arrived already."""
         state = self._state
         name, seq = request.name, request.seq
         # Why there is a barrier: an admitted arrival opened it.
@@ -450,7 +446,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
 
     @_handler
     async def Barrier(self, request: pb.BarrierRequest, context: grpc.aio.ServicerContext) -> pb.BarrierResponse:
-        begun = self._begin_barrier(request)
+        begun = self._begin_barrier(request, (self._admit_barrier(request, request.caller),))
         if isinstance(begun, _Parked):
             return await self._finish(begun, request.wait_s, context)  # type: ignore[no-any-return]
         return begun
@@ -668,24 +664,20 @@ class _SessionWait:
         parked = self._parked
         servicer = self._session._servicer
         try:
-            if parked.done():
-                self._end(pb.SessionResult(id=self._id, also=self._also, **{self._kind: parked.response()}))
+            if not parked.done():
+                servicer._check_waiting(parked.what)
+                servicer._waiters.setdefault(parked.key, []).append(self)  # type: ignore[arg-type]
                 return
-            servicer._check_waiting(parked.what)
         except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
-            self._end(self._session._refused(self._id, f"Session {self._kind}", exc, self._also))
+            self._end(exc)
             return
-        servicer._waiters.setdefault(parked.key, []).append(self)  # type: ignore[arg-type]
+        self._end()
 
     def _expire(self) -> None:
         if self._finished:
             return
-        parked = self._parked
         self._unlist()
-        if parked.done():
-            self._end(pb.SessionResult(id=self._id, also=self._also, **{self._kind: parked.response()}))
-        else:
-            self._end(self._session._refused(self._id, f"Session {self._kind}", parked.timed_out(), self._also))
+        self._end(None if self._parked.done() else self._parked.timed_out())
 
     def _unlist(self) -> None:
         waiters = self._session._servicer._waiters
@@ -708,9 +700,18 @@ class _SessionWait:
             member.last_seen = now
         self._session._parked.discard(self)
 
-    def _end(self, result: pb.SessionResult) -> None:
+    def _end(self, refusal: Exception | None = None) -> None:
+        """Answers the operation (and the rest of its group): its response, or ``refusal``'s status."""
         self._release()
-        self._session._answer(result)
+        session = self._session
+        if refusal is None:
+            try:
+                result = pb.SessionResult(id=self._id, also=self._also, **{self._kind: self._parked.response()})
+            except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
+                refusal = exc
+        if refusal is not None:
+            result = session._refused(self._id, f"Session {self._kind}", refusal, self._also)
+        session._answer(result)
 
     def drop(self) -> None:
         """The stream ended: nobody to answer."""
@@ -728,12 +729,11 @@ class _OpContext:
         return None
 
 
-#: The checks and logic a Session operation runs: the unary handler without its call wrapper.
+#: The checks and logic the other Session operations run, as a task each: the unary handler
+#: without its call wrapper.
 _SESSION_METHODS: dict[str, Callable[..., Awaitable[Any]]] = {
     "join": _Servicer.Join.__wrapped__,  # type: ignore[attr-defined]
     "set": _Servicer.Set.__wrapped__,  # type: ignore[attr-defined]
-    "get": _Servicer.Get.__wrapped__,  # type: ignore[attr-defined]
-    "barrier": _Servicer.Barrier.__wrapped__,  # type: ignore[attr-defined]
     "leave": _Servicer.Leave.__wrapped__,  # type: ignore[attr-defined]
 }
 #: The operations that come by the thousand (barriers, a rendezvous's gets), in two steps: the

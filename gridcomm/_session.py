@@ -29,6 +29,7 @@ import itertools
 import logging
 import os
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import grpc
@@ -214,11 +215,8 @@ class Session:
         if self._closed:
             # A client closed while another thread of it was queuing: no new stream for a
             # session nobody holds any more; the callers repeat as unary calls (and see the close).
-            while inbox:
-                waiter = self._waiters.pop(inbox.popleft()[0], None)
-                if waiter is not None:
-                    waiter.broken = f"the Session stream to {self._target} was closed"
-                    waiter.wake()
+            self._fall_back([item[0] for item in inbox], "was closed")
+            inbox.clear()
             return
         if self._call is None:
             self._open()
@@ -382,17 +380,22 @@ class Session:
             lost.add(op.id)
             lost.update(member.id for member in op.also)
         self._sent, self._outbox, self._groups = set(), [], {}
-        ready = []
-        for op_id in lost:
-            waiter = self._waiters.pop(op_id, None)
-            if waiter is not None:
-                waiter.broken = f"the Session stream to {self._target} ended: {why}"
-                ready.append(waiter)
-        _wake_tree(ready)
+        self._fall_back(lost, f"ended: {why}")
         if lost:
             # Why not a warning when cancelled: that is this process closing the stream (exit).
             (log.debug if why == "cancelled" else log.warning)("gridcomm: the Session stream to %s ended with %d operations in flight (%s); they are "
                         "repeated as unary calls", self._target, len(lost), why)
+
+    def _fall_back(self, op_ids: Iterable[int], why: str) -> None:
+        """The operations ``op_ids`` will not be answered here: their callers repeat them as
+        unary calls (StreamBroken), told that the stream ``why``."""
+        ready = []
+        for op_id in op_ids:
+            waiter = self._waiters.pop(op_id, None)
+            if waiter is not None:
+                waiter.broken = f"the Session stream to {self._target} {why}"
+                ready.append(waiter)
+        _wake_tree(ready)
 
     async def close(self) -> None:
         """Ends the stream and closes the channel (its connection goes at once)."""
@@ -403,13 +406,9 @@ class Session:
         # Why: an operation still queued or in flight (a thread of a client that another thread
         # closed) is told now, not at its deadline; it repeats as a unary call, which a closed
         # client refuses.
-        waiters = list(self._waiters.values())
-        self._waiters.clear()
+        self._fall_back(list(self._waiters), "was closed")
         self._inbox.clear()
         self._outbox, self._groups, self._sent = [], {}, set()
-        for waiter in waiters:
-            waiter.broken = f"the Session stream to {self._target} was closed"
-            waiter.wake()
         call, self._call = self._call, None
         if self._has_work is not None:
             self._has_work.set()  # ends the writer
