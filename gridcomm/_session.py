@@ -146,6 +146,10 @@ class Session:
         self._hold_due = 0.0
         self._hold_s = 0.0
         self._held = 0
+        #: Whether a calling thread keeps a hold's time instead of the loop (see call), and how
+        #: many drains have taken the inbox (tells that thread whether its hold was taken over).
+        self._kept = False
+        self._drains = 0
         self._channel: grpc.aio.Channel | None = None
         self._call: Any = None
         self._has_work: asyncio.Event | None = None
@@ -176,22 +180,34 @@ class Session:
         # Why the flag: one wake-up of the loop (a write to its self-pipe) for every batch of
         # operations that arrive together, not one per operation. While a hold is pending, an
         # operation that may wait as long does not wake the loop unless it can complete the
-        # held groups: the hold's timer takes it (the loop re-checks the inbox whenever a hold
+        # held groups: the hold's end takes it (the loop re-checks the inbox whenever a hold
         # ends, so an operation queued as it ends is not left behind).
-        if not self._drain_pending and not (hold and self._hold is not None and hold >= self._hold_s
-                                            and len(self._inbox) + self._held < self.users):
-            self._drain_pending = True
-            try:
-                self._loop.call_soon_threadsafe(self._drain)
-            except RuntimeError as exc:  # the loop is closed (interpreter exit)
-                self._waiters.pop(op_id, None)
-                raise StreamBroken(f"the background loop is closed: {exc}") from exc
-        if not waiter.lock.acquire(timeout=max(0.0, timeout_s)):
-            if self._waiters.pop(op_id, None) is not None:
-                raise OpError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-            # The loop took this waiter at the same moment: its wake-up (and the chain behind
-            # it) is on the way.
-            waiter.lock.acquire()
+        keep = 0.0
+        kept_at = 0
+        if not self._drain_pending:
+            if (hold and (self._hold is not None or self._kept) and hold >= self._hold_s
+                    and len(self._inbox) + self._held < self.users):
+                pass
+            elif (hold and group is not None and self._grouping and self.users >= 2 and self._hold is None
+                  and not self._kept):
+                # Why: the first operation of a hold would wake the loop only to start a timer
+                # (a third of the loop's work per barrier at 16 ranks a process); this thread
+                # keeps the hold's time instead, and wakes the loop only if it runs out before
+                # the last operation of the group wakes it.
+                self._kept, self._hold_s, keep, kept_at = True, hold, min(hold, max(0.0, timeout_s)), self._drains
+            else:
+                self._wake_loop(op_id)
+        if not (keep and waiter.lock.acquire(timeout=keep)):
+            if keep:
+                if kept_at == self._drains and not self._drain_pending:
+                    self._wake_loop(op_id, force=True)  # no drain took the held operations: send them
+                timeout_s -= keep
+            if not waiter.lock.acquire(timeout=max(0.0, timeout_s)):
+                if self._waiters.pop(op_id, None) is not None:
+                    raise OpError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+                # The loop took this waiter at the same moment: its wake-up (and the chain behind
+                # it) is on the way.
+                waiter.lock.acquire()
         if waiter.next is not None:
             for following in waiter.next:
                 following.wake()
@@ -204,9 +220,20 @@ class Session:
                           tuple((m.key, m.value) for m in result.metadata))
         return getattr(result, kind)
 
+    def _wake_loop(self, op_id: int, force: bool = False) -> None:
+        """Schedules a drain of the inbox (``force``: send what is held too)."""
+        self._drain_pending = True
+        try:
+            self._loop.call_soon_threadsafe(self._drain, force)
+        except RuntimeError as exc:  # the loop is closed (interpreter exit)
+            self._waiters.pop(op_id, None)
+            raise StreamBroken(f"the background loop is closed: {exc}") from exc
+
     # ------------------------------------------------------------------ loop thread
     def _drain(self, force: bool = False) -> None:
         self._drain_pending = False  # before taking: an op queued from now on schedules a drain
+        self._kept = False  # a thread keeping a hold leaves it to this drain
+        self._drains += 1
         inbox, outbox = self._inbox, self._outbox
         if not inbox:
             if force:

@@ -991,6 +991,32 @@ def test_an_operation_held_for_the_other_clients_is_sent_when_they_do_not_come(c
 
 
 @pytest.mark.timeout(60)
+def test_the_first_operation_of_a_hold_keeps_its_time_on_its_own_thread(coordinator_factory):
+    """The first operation of a held group does not wake the loop just to start a timer: its
+    thread keeps the hold's time. So the whole-job barriers of a process's ranks cost one drain
+    each (two before), and an operation the other clients never make still goes out when its
+    hold ends, not at its deadline."""
+    world, barriers = 4, 20
+    server = coordinator_factory(world)
+    with clients(server.port, world, "process") as made:
+        on_threads(lambda c: c.join(), made)
+        session = made[0]._session
+        assert all(c._session is session for c in made)
+        before = session._drains
+        on_threads(lambda c: [c.barrier("all", timeout_s=10.0) for _ in range(barriers)], made)
+        assert server.state.barriers["all"].completed == barriers
+        # One drain per barrier; a hold that runs out on a slow machine adds one (the margin).
+        drains = session._drains - before
+        assert drains <= barriers * 3 // 2, f"{drains} drains for {barriers} barriers"
+        made[1].set("k", b"v")
+        for _ in range(3):
+            started = time.monotonic()
+            assert made[0].get("k", timeout_s=5.0) == b"v"  # only client 0 asks: its hold runs out
+            elapsed = time.monotonic() - started
+            assert elapsed < 1.0, f"a lone get took {elapsed:.2f} s (its hold is {gridcomm._session.HOLD_GET_S} s)"
+
+
+@pytest.mark.timeout(60)
 def test_closing_the_clients_ends_a_waiting_operation_at_once(coordinator_factory):
     """A barrier that another thread's close() interrupts ends with CommAborted at once, not at
     its 30 s deadline (the stream is gone; the unary repeat is refused by the closed client)."""
