@@ -111,6 +111,17 @@ def translate(error: grpc.RpcError, what: str, target: str) -> GridcommError:
     return cls(f"{what}: {details}")
 
 
+def _check_text(what: str, value: Any) -> None:
+    """A key or name must be a str that UTF-8 can encode (a protobuf string): checked on the
+    calling thread, since get and barrier requests are built later, on the background loop."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{what} must be a str, not {type(value).__name__}.")
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"{what} {value!r} is not valid UTF-8 text ({exc.reason} at position {exc.start}).") from None
+
+
 class CoordinatorClient:
     """A client of the gridcomm coordinator, for one rank.
 
@@ -245,7 +256,7 @@ class CoordinatorClient:
                 raise translate(_session.OpError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),
                                 what, self.target)
         method = getattr(self._stub, _UNARY[kind])
-        return self._call(method, request, what, timeout_s, wait_for_ready=wait_for_ready)
+        return self._call(method, _session.built(request), what, timeout_s, wait_for_ready=wait_for_ready)
 
     def _long_poll(self, what: str, timeout_s: float | None, attempt: Callable[[float, float], _T],
                    progress: Callable[[list[int]], str], *, first_contact: bool = False) -> _T:
@@ -297,8 +308,7 @@ class CoordinatorClient:
 
     def set(self, key: str, value: bytes) -> None:
         """Stores ``value`` (bytes) under ``key`` for this generation."""
-        if not isinstance(key, str):
-            raise ConfigError(f"key must be a str, not {type(key).__name__}.")
+        _check_text("key", key)
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise ConfigError(f"value for key {key!r} must be bytes, not {type(value).__name__}.")
         request = pb.SetRequest(caller=self.caller, key=key, value=bytes(value))
@@ -306,11 +316,10 @@ class CoordinatorClient:
 
     def get(self, key: str, timeout_s: float | None = None) -> bytes:
         """Returns the value under ``key``, waiting until some rank sets it or the deadline passes."""
-        if not isinstance(key, str):
-            raise ConfigError(f"key must be a str, not {type(key).__name__}.")
+        _check_text("key", key)
 
         def attempt(wait_s: float, call_s: float) -> pb.GetResponse:
-            request = pb.GetRequest(caller=self.caller, key=key, wait_s=wait_s)
+            request = _session.Deferred(pb.GetRequest, self.caller, wait_s, {"key": key})
             return self._op("get", request, f"rank {self.rank}: get {key!r}", call_s, group=("get", key),
                             hold=_session.HOLD_GET_S)
 
@@ -321,16 +330,20 @@ class CoordinatorClient:
                 participants: Sequence[int] = ()) -> None:
         """Waits until every rank (or every one of ``participants``) reaches the barrier ``name``;
         on timeout raises :class:`RendezvousTimeout` naming the missing ranks. Reusing a name is fine."""
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"barrier name must be a non-empty str, not {name!r}.")
+        if not (type(name) is str and name in self._barrier_seq):  # a name used before passed these checks
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"barrier name must be a non-empty str, not {name!r}.")
+            _check_text("barrier name", name)
         seq = self._barrier_seq.get(name, 0) + 1
         what = f"rank {self.rank}: barrier {name!r}"
         group = ("barrier", name, seq, tuple(participants))
 
+        fields: dict[str, Any] = {"name": name, "seq": seq}
+        if participants:  # Why only when given: the empty keyword alone costs a third more per message.
+            fields["participants"] = participants
+
         def attempt(wait_s: float, call_s: float) -> pb.BarrierResponse:
-            # Why participants only when given: the empty keyword alone costs a third more per request.
-            request = (pb.BarrierRequest(caller=self.caller, name=name, seq=seq, wait_s=wait_s, participants=participants)
-                       if participants else pb.BarrierRequest(caller=self.caller, name=name, seq=seq, wait_s=wait_s))
+            request = _session.Deferred(pb.BarrierRequest, self.caller, wait_s, fields)
             return self._op("barrier", request, what, call_s, group=group,
                             hold=0.0 if participants else _session.HOLD_BARRIER_S)
 

@@ -29,7 +29,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
@@ -63,6 +63,30 @@ class OpError(grpc.RpcError):
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
+
+
+class Deferred:
+    """A get's or barrier's fields, made into its protobuf request only where one is sent: by
+    an operation alone or the lead of a group, or by a unary repeat. The other members of a
+    group need only their caller and wait. Why: building a request message on every rank's
+    thread, only for the loop thread to copy and free it, cost the ranks of a process a tenth of
+    their time per barrier (16 ranks a process)."""
+
+    __slots__ = ("message", "caller", "wait_s", "fields")
+
+    def __init__(self, message: Callable[..., Any], caller: pb.Caller, wait_s: float, fields: dict[str, Any]) -> None:
+        self.message = message
+        self.caller = caller
+        self.wait_s = wait_s
+        self.fields = fields
+
+    def build(self) -> Any:
+        return self.message(caller=self.caller, wait_s=self.wait_s, **self.fields)
+
+
+def built(request: Any) -> Any:
+    """The protobuf request (``request`` itself unless it is Deferred)."""
+    return request.build() if type(request) is Deferred else request
 
 
 class StreamBroken(Exception):
@@ -270,9 +294,13 @@ class Session:
                     if request.wait_s < lead_request.wait_s:
                         lead_request.wait_s = request.wait_s
                     continue
-                op = groups[group] = pb.SessionOp(id=op_id, **{kind: request})
-            else:
-                op = pb.SessionOp(id=op_id, **{kind: request})
+            try:
+                op = pb.SessionOp(id=op_id, **{kind: built(request)})
+            except Exception as exc:  # noqa: BLE001 - its caller's unary repeat builds it again and sees why
+                self._fall_back([op_id], f"could not carry the operation ({exc!r})")
+                continue
+            if group is not None and groups is not None:
+                groups[group] = op
             outbox.append(op)
         # Why hold: the ranks of a process reach a barrier one after another (each needs the
         # GIL), so sending at once splits them over several messages, each costing both sides a
@@ -282,7 +310,7 @@ class Session:
         if not urgent:
             assert groups is not None
             sizes = [len(lead.also) + 1 for lead in groups.values()]
-            urgent = min(sizes) >= users
+            urgent = not sizes or min(sizes) >= users  # none: every held operation fell back
             self._held = sum(sizes)
         if urgent:
             self._send()

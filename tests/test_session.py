@@ -45,6 +45,7 @@ import grpc
 import pytest
 
 import gridcomm
+from gridcomm import _session
 from gridcomm._client import fetch_status
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
@@ -1013,7 +1014,27 @@ def test_the_first_operation_of_a_hold_keeps_its_time_on_its_own_thread(coordina
             started = time.monotonic()
             assert made[0].get("k", timeout_s=5.0) == b"v"  # only client 0 asks: its hold runs out
             elapsed = time.monotonic() - started
-            assert elapsed < 1.0, f"a lone get took {elapsed:.2f} s (its hold is {gridcomm._session.HOLD_GET_S} s)"
+            assert elapsed < 1.0, f"a lone get took {elapsed:.2f} s (its hold is {_session.HOLD_GET_S} s)"
+
+
+@pytest.mark.timeout(60)
+def test_an_operation_the_loop_cannot_build_falls_back_alone(coordinator_factory):
+    """Get and barrier requests are built on the loop (only the lead of a group is sent). One
+    that cannot become a message there (the client's own checks would have refused it) ends
+    only its own operation: its caller repeats it as a unary call, which builds it again and
+    raises there; the stream and what else it carries go on."""
+    server = coordinator_factory(2)
+    with clients(server.port, 2, "process") as made:
+        on_threads(lambda c: c.join(), made)
+        session = made[0]._session
+        stream = session._call
+        bad = _session.Deferred(pb.GetRequest, made[0].caller, 1.0, {"key": "half\ud800"})
+        with pytest.raises(_session.StreamBroken, match="could not carry the operation"):
+            session.call("get", bad, 5.0, ("get", "half"), _session.HOLD_GET_S)
+        made[1].set("k", b"v")
+        assert on_threads(lambda c: c.get("k", timeout_s=5.0), made) == [b"v", b"v"]
+        on_threads(lambda c: c.barrier("after", timeout_s=5.0), made)
+        assert session._call is stream, "the stream was replaced"
 
 
 @pytest.mark.timeout(60)
