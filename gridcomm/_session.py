@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -109,7 +110,15 @@ class _Waiter:
         self.next: list[_Waiter] | None = None
 
     def wake(self) -> None:
-        self.lock.release()
+        try:
+            self.lock.release()
+        except RuntimeError:
+            pass  # woken twice: a waiter interrupted while passing its wake-up on (see Session.call)
+
+    def pass_on(self) -> None:
+        """Wakes the waiters this one was to wake (see _wake_tree); harmless if repeated."""
+        for following in self.next or ():
+            following.wake()
 
 
 #: How many waiters each woken waiter wakes in turn (see _wake_tree).
@@ -213,28 +222,41 @@ class Session:
                     and len(self._inbox) + self._held < self.users):
                 pass
             elif (hold and group is not None and self._grouping and self.users >= 2 and self._hold is None
-                  and not self._kept):
+                  and not self._kept and timeout_s > hold):
                 # Why: the first operation of a hold would wake the loop only to start a timer
                 # (a third of the loop's work per barrier at 16 ranks a process); this thread
                 # keeps the hold's time instead, and wakes the loop only if it runs out before
                 # the last operation of the group wakes it.
-                self._kept, self._hold_s, keep, kept_at = True, hold, min(hold, max(0.0, timeout_s)), self._drains
+                self._kept, self._hold_s, keep, kept_at = True, hold, hold, self._drains
             else:
                 self._wake_loop(op_id)
-        if not (keep and waiter.lock.acquire(timeout=keep)):
+        try:
+            acquired = False
             if keep:
-                if kept_at == self._drains and not self._drain_pending:
-                    self._wake_loop(op_id, force=True)  # no drain took the held operations: send them
+                try:
+                    acquired = waiter.lock.acquire(timeout=keep)
+                finally:
+                    # The hold ran out, or this wait was interrupted, before any drain took the
+                    # held operations: the loop sends them now.
+                    if not acquired and kept_at == self._drains and not self._drain_pending:
+                        self._wake_loop(op_id, force=True)
                 timeout_s -= keep
-            if not waiter.lock.acquire(timeout=max(0.0, timeout_s)):
+            if not acquired and not waiter.lock.acquire(timeout=max(0.0, timeout_s)):
                 if self._waiters.pop(op_id, None) is not None:
                     raise OpError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-                # The loop took this waiter at the same moment: its wake-up (and the chain behind
-                # it) is on the way.
+                # The loop took this waiter at the same moment: its wake-up (and the chain
+                # behind it) is on the way.
                 waiter.lock.acquire()
-        if waiter.next is not None:
-            for following in waiter.next:
-                following.wake()
+        except BaseException:
+            # Interrupted (a signal handler raised on the main thread: KeyboardInterrupt). A
+            # waiter the loop already took is part of a wake-up tree, and the waiters below it
+            # would wait for this thread forever: the loop passes the wake-up on instead (after
+            # the step that built the tree, which already ran).
+            if self._waiters.pop(op_id, None) is None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed (interpreter exit)
+                    self._loop.call_soon_threadsafe(waiter.pass_on)
+            raise
+        waiter.pass_on()
         if waiter.broken is not None:
             raise StreamBroken(waiter.broken)
         result = waiter.result

@@ -34,6 +34,7 @@ import gc
 import os
 import queue
 import re
+import signal
 import socket
 import threading
 import time
@@ -1015,6 +1016,44 @@ def test_the_first_operation_of_a_hold_keeps_its_time_on_its_own_thread(coordina
             assert made[0].get("k", timeout_s=5.0) == b"v"  # only client 0 asks: its hold runs out
             elapsed = time.monotonic() - started
             assert elapsed < 1.0, f"a lone get took {elapsed:.2f} s (its hold is {_session.HOLD_GET_S} s)"
+
+
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_hold_keeper_hands_the_hold_to_the_loop(coordinator_factory):
+    """The thread that keeps a hold's time (the first of a group) may be interrupted, as the main
+    thread is by a signal whose handler raises (KeyboardInterrupt). What it held goes out at once
+    all the same: its arrival reaches the coordinator, and the barrier completes for the others
+    instead of waiting for the next operation of this stream."""
+    server = coordinator_factory(3)
+    extra = client(server.port, 2, 3, "off")
+    previous = signal.getsignal(signal.SIGUSR1)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise _Interrupted()
+
+    signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        with clients(server.port, 3, "process", ranks=[0, 1]) as made:
+            on_threads(lambda c: c.join(), [*made, extra])
+            assert threading.current_thread() is threading.main_thread()
+            timer = threading.Timer(0.005, os.kill, args=(os.getpid(), signal.SIGUSR1))
+            timer.start()
+            with pytest.raises(_Interrupted):
+                made[0].barrier("x", timeout_s=10.0)  # whole-job: held up to 20 ms, this thread keeps it
+            timer.join()
+            deadline = time.monotonic() + 2.0
+            while server.state.barriers.get("x") is None or server.state.barriers["x"].arrived[0] < 1:
+                assert time.monotonic() < deadline, "rank 0's interrupted arrival never left the process"
+                time.sleep(0.01)
+            on_threads(lambda c: c.barrier("x", timeout_s=5.0), [made[1], extra])
+            assert server.state.barriers["x"].completed == 1
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        extra.close()
 
 
 @pytest.mark.timeout(60)
