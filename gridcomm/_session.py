@@ -247,6 +247,8 @@ class Session:
                 # The loop took this waiter at the same moment: its wake-up (and the chain
                 # behind it) is on the way.
                 waiter.lock.acquire()
+        except (OpError, StreamBroken):
+            raise  # this waiter was taken back before the loop took it: nothing to pass on
         except BaseException:
             # Interrupted (a signal handler raised on the main thread: KeyboardInterrupt). A
             # waiter the loop already took is part of a wake-up tree, and the waiters below it
