@@ -30,16 +30,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+from rendezvous import proc_stats  # this directory is the script's: sys.path[0]
 
 
 def _same(data: bytes) -> bytes:
     return data
-
-
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def serve_grpc(processes: int, out: Any, stop: Any) -> None:
@@ -230,10 +225,10 @@ def main() -> int:
             p.start()
         for _ in ranks:
             ready.get(timeout=120)
-        server_cpu = _cpu_s(server_pid)
+        server_cpu = proc_stats(server_pid)["cpu_s"]
         go.set()
         results = [out.get(timeout=600) for _ in ranks]
-        server_cpu = _cpu_s(server_pid) - server_cpu
+        server_cpu = proc_stats(server_pid)["cpu_s"] - server_cpu
         n = args.barriers
         print(f"{args.transport}, {args.processes} processes x {args.threads} threads: "
               f"{max(r[0] for r in results) / n * 1e3:.2f} ms per barrier; per barrier, clients "

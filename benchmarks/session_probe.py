@@ -21,11 +21,13 @@ import threading
 import time
 from typing import Any
 
+from rendezvous import proc_stats  # this directory is the script's: sys.path[0]
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def thread_stats(pid: int) -> dict[str, tuple[str, int, int]]:
-    """thread id -> (name, user+system ticks, system ticks) of every thread of ``pid``."""
+def thread_stats(pid: int) -> dict[str, tuple[str, int]]:
+    """thread id -> (name, user + system clock ticks) of every thread of ``pid``."""
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
@@ -35,7 +37,7 @@ def thread_stats(pid: int) -> dict[str, tuple[str, int, int]]:
             continue  # the thread ended meanwhile
         name = stat[stat.index("(") + 1 : stat.rindex(")")]
         fields = stat.rsplit(")", 1)[1].split()
-        out[tid] = (name, int(fields[11]) + int(fields[12]), int(fields[12]))
+        out[tid] = (name, int(fields[11]) + int(fields[12]))
     return out
 
 
@@ -91,7 +93,7 @@ def main() -> int:
                 totals["vol"] += vol_end - vol
                 totals["invol"] += invol_end - invol
 
-        before, server_before = thread_stats(os.getpid()), thread_stats(server_pid)
+        before, server_before = thread_stats(os.getpid()), proc_stats(server_pid)["cpu_s"]
         started = time.perf_counter()
         threads = [threading.Thread(target=run, args=(c,)) for c in clients]
         for t in threads:
@@ -99,19 +101,18 @@ def main() -> int:
         for t in threads:
             t.join(600)
         wall = time.perf_counter() - started
-        after, server_after = thread_stats(os.getpid()), thread_stats(server_pid)
+        after, server_cpu = thread_stats(os.getpid()), proc_stats(server_pid)["cpu_s"] - server_before
         n = args.barriers
         # Python names its threads only for itself: find the loop's OS thread id by its name.
         loop_tids = {str(t.native_id) for t in threading.enumerate() if t.name == "gridcomm-loop"}
         by_name: collections.Counter[str] = collections.Counter()
-        for tid, (name, ticks, _) in after.items():
-            by_name["gridcomm-loop" if tid in loop_tids else name] += ticks - before.get(tid, (name, 0, 0))[1]
-        server_ticks = sum(v[1] for v in server_after.values()) - sum(v[1] for v in server_before.values())
+        for tid, (name, ticks) in after.items():
+            by_name["gridcomm-loop" if tid in loop_tids else name] += ticks - before.get(tid, (name, 0))[1]
         print(f"{args.ranks} ranks, {n} barriers: {wall / n * 1e6:.0f} us per barrier; per barrier: "
               f"rank threads {totals['cpu'] / n * 1e6:.0f} us of CPU, {totals['vol'] / n:.1f} voluntary and "
               f"{totals['invol'] / n:.1f} involuntary switches; loop {by_name['gridcomm-loop'] / TICK / n * 1e6:.0f} us; "
               f"gRPC event engine {by_name['event_engine'] / TICK / n * 1e6:.0f} us; "
-              f"coordinator process {server_ticks / TICK / n * 1e6:.0f} us")
+              f"coordinator process {server_cpu / n * 1e6:.0f} us")
         for client in clients:
             client.leave()
         return 0

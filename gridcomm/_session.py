@@ -217,12 +217,10 @@ class Session:
         # ends, so an operation queued as it ends is not left behind).
         keep = 0.0
         kept_at = 0
-        if not self._drain_pending:
-            if (hold and (self._hold is not None or self._kept) and hold >= self._hold_s
-                    and len(self._inbox) + self._held < self.users):
-                pass
-            elif (hold and group is not None and self._grouping and self.users >= 2 and self._hold is None
-                  and not self._kept and timeout_s > hold):
+        if not self._drain_pending and not (hold and (self._hold is not None or self._kept) and hold >= self._hold_s
+                                            and len(self._inbox) + self._held < self.users):
+            if (hold and group is not None and self._grouping and self.users >= 2 and self._hold is None
+                    and not self._kept and timeout_s > hold):
                 # Why: the first operation of a hold would wake the loop only to start a timer
                 # (a third of the loop's work per barrier at 16 ranks a process); this thread
                 # keeps the hold's time instead, and wakes the loop only if it runs out before
