@@ -173,12 +173,11 @@ class Session:
         #: The outbox's groups by key (see _drain); whether this stream's coordinator takes them.
         self._groups: dict[Any, pb.SessionOp] = {}
         self._grouping = False
-        #: The pending hold: its timer, when it ends, how long it was, and the operations in
-        #: held groups (read by calling threads to decide whether to wake the loop).
+        #: The pending hold: its timer, when it ends, and how long it was (read by calling
+        #: threads to decide whether to wake the loop).
         self._hold: asyncio.TimerHandle | None = None
         self._hold_due = 0.0
         self._hold_s = 0.0
-        self._held = 0
         #: Whether a calling thread keeps a hold's time instead of the loop (see call), and how
         #: many drains have taken the inbox (tells that thread whether its hold was taken over).
         self._kept = False
@@ -214,11 +213,12 @@ class Session:
         # operations that arrive together, not one per operation. While a hold is pending, an
         # operation that may wait as long does not wake the loop unless it can complete the
         # held groups: the hold's end takes it (the loop re-checks the inbox whenever a hold
-        # ends, so an operation queued as it ends is not left behind).
+        # ends, so an operation queued as it ends is not left behind). It can once every user of
+        # the stream is waiting for something (see _drain).
         keep = 0.0
         kept_at = 0
         if not self._drain_pending and not (hold and (self._hold is not None or self._kept) and hold >= self._hold_s
-                                            and len(self._inbox) + self._held < self.users):
+                                            and len(self._waiters) < self.users):
             if (hold and group is not None and self._grouping and self.users >= 2 and self._hold is None
                     and not self._kept and timeout_s > hold):
                 # Why: the first operation of a hold would wake the loop only to start a timer
@@ -328,12 +328,16 @@ class Session:
         # GIL), so sending at once splits them over several messages, each costing both sides a
         # gRPC read and write. A group that every user usually joins waits (see HOLD_BARRIER_S)
         # until every user of this stream has joined it; any other operation (or a group that
-        # every user has joined) sends the whole outbox at once.
+        # every user has joined) sends the whole outbox at once. So does a hold once every user
+        # is waiting for an operation: nobody is left to join it. Why: when a hold ran out with
+        # part of a process's ranks (they reached a get or barrier over more than the hold, as
+        # after a start signal), the rest form a group that can never be complete, and the last
+        # rank of the process, the one a barrier waits for, waited out a second hold.
         if not urgent:
             assert groups is not None
             sizes = [len(lead.also) + 1 for lead in groups.values()]
-            urgent = not sizes or min(sizes) >= users  # none: every held operation fell back
-            self._held = sum(sizes)
+            # none: every held operation fell back
+            urgent = not sizes or min(sizes) >= users or len(self._waiters) >= users
         if urgent:
             self._send()
             return
@@ -352,7 +356,6 @@ class Session:
         if self._hold is not None:
             self._hold.cancel()
             self._hold = None
-        self._held = 0
         if self._has_work is not None:
             self._has_work.set()
         if self._inbox and not self._drain_pending:

@@ -1018,6 +1018,37 @@ def test_the_first_operation_of_a_hold_keeps_its_time_on_its_own_thread(coordina
             assert elapsed < 1.0, f"a lone get took {elapsed:.2f} s (its hold is {_session.HOLD_GET_S} s)"
 
 
+@pytest.mark.timeout(60)
+def test_a_hold_ends_once_every_client_of_the_stream_is_waiting(coordinator_factory, monkeypatch):
+    """A held group waits for the stream's other clients only while one of them could still
+    join it. Here two of the four clients of a stream already wait elsewhere (a barrier of some
+    ranks), so the other two's get has nobody left to wait for and goes out at once, not when
+    its hold runs out. Why it matters: a process whose ranks reach a get or barrier over more
+    than the hold sends them in parts, and its last part could never be complete."""
+    world = 5
+    server = coordinator_factory(world)
+    extra = client(server.port, 4, world, "off")
+    side = ThreadPoolExecutor(2)
+    try:
+        with clients(server.port, world, "process", ranks=[0, 1, 2, 3]) as made:
+            on_threads(lambda c: c.join(), [*made, extra])
+            extra.set("k", b"v")
+            waiting = [side.submit(c.barrier, "side", 30.0, participants=[0, 1, 4]) for c in made[:2]]
+            wait_for(lambda: sorted(arrived(server.port, "side")) == [0, 1], "clients 0 and 1 at the side barrier")
+            # A hold far longer than the wait allowed below: the outcome is not a matter of timing.
+            monkeypatch.setattr(_session, "HOLD_GET_S", 5.0)
+            started = time.monotonic()
+            assert on_threads(lambda c: c.get("k", timeout_s=20.0), made[2:]) == [b"v", b"v"]
+            elapsed = time.monotonic() - started
+            assert elapsed < 2.5, f"the gets of the last two clients took {elapsed:.2f} s (held for clients that wait)"
+            extra.barrier("side", timeout_s=10.0, participants=[0, 1, 4])
+            for done in waiting:
+                done.result(timeout=10.0)
+    finally:
+        side.shutdown(wait=False)
+        extra.close()
+
+
 class _Interrupted(Exception):
     pass
 
