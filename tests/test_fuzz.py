@@ -30,6 +30,7 @@ accepted; health after a restarted rank is not judged; :path values are UTF-8.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
@@ -824,14 +825,16 @@ def participants_lists(world_size: int) -> st.SearchStrategy[Any]:
 
 
 @st.composite
-def steps(draw: Any, job: Job, *, mailbox_cap: int | None = None, member_only: bool = False) -> tuple[str, Any]:
-    """One request of any RPC, with the job's members, keys, barriers and messages in reach."""
+def steps(draw: Any, job: Job, *, mailbox_cap: int | None = None, member_only: bool = False,
+          only: str | None = None) -> tuple[str, Any]:
+    """One request of any RPC (or of ``only``), with the job's members, keys, barriers and
+    messages in reach."""
     # Why: the same choices make a different case once the job's state has moved on, but
     # hypothesis avoids replaying choices it has seen, which would starve the simple, valid
     # requests (seq "next", a member's caller) in favour of random ones. A drawn salt that
     # changes nothing keeps every shape available.
     draw(st.integers(0, 2**64 - 1))
-    rpc = draw(st.sampled_from(RPCS))
+    rpc = draw(st.sampled_from(RPCS)) if only is None else only
     ws = job.world_size
     if rpc == "Join":
         job_id = draw(st.one_of(st.just(job.job_id), st.just(job.job_id), JOB_IDS))
@@ -932,8 +935,9 @@ class Driver:
         self.channel = channel
         self.stub = pb_grpc.CoordinatorStub(channel)
         self.job = job
-        #: The statuses each RPC got, follow-ups included.
+        #: The statuses each RPC got, follow-ups included, and how often.
         self.answers: dict[str, set[str]] = {}
+        self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
 
     def send(self, rpc: str, request: Any, timeout_s: float = CALL_S) -> Outcome:
         if rpc == "Put":
@@ -950,6 +954,7 @@ class Driver:
         assert_proper(outcome, what)
         getattr(self.job, f"judge_{rpc}")(request, outcome, what)
         self.answers.setdefault(rpc, set()).add(outcome.code.name)
+        self.counts[rpc, outcome.code.name] += 1
         return outcome
 
     def follow_up(self, rpc: str, request: Any, outcome: Outcome) -> None:
@@ -1090,8 +1095,27 @@ def test_fuzz_every_request_against_a_joined_job(joined_job):
     assert_ran("shared")
     answers = driver.answers
     print("answers:", {rpc: sorted(codes) for rpc, codes in sorted(answers.items())})
-    # The fuzzer must reach past the identity checks, or it tests nothing but them.
-    for rpc in ("Join", "Set", "Get", "Barrier", "Put", "Status"):
+    print("accepted:", {rpc: n for (rpc, code), n in sorted(driver.counts.items()) if code == "OK"})
+    # The fuzzer must reach past the identity checks, or it tests nothing but them. Hypothesis
+    # tunes how often it draws each kind per run, so an RPC that its accepted paths need luck
+    # for (a barrier: a member's arrival, then the others') was missed in about 1 run of 40 (438
+    # cases): such an RPC gets more fuzzed requests of its own kind, from members and followed
+    # up, until one is accepted (at most 400), and only then is the coverage judged.
+    must_accept = ("Join", "Set", "Get", "Barrier", "Put", "Status")
+    @settings(fuzz_settings("shared"), max_examples=400)
+    @given(data=st.data())
+    def more(data: Any) -> None:
+        kind, request = data.draw(steps(job, mailbox_cap=64 * 1024, member_only=True, only=missing))
+        if "OK" in answers.get(missing, ()) or job.destructive(kind, request):
+            return
+        driver.follow_up(kind, request, driver.run(kind, request))
+        assert_serving(channel, what=describe(kind, request))
+
+    for missing in must_accept:
+        if "OK" not in answers.get(missing, ()):
+            more()
+            print(f"{missing}: accepted by the extra cases: {'OK' in answers.get(missing, ())}")
+    for rpc in must_accept:
         assert "OK" in answers.get(rpc, ()), f"no {rpc} was accepted: {answers.get(rpc)}"
     for rpc in RPCS:
         if rpc != "Status":
