@@ -55,7 +55,7 @@ proto-check: $(PROTO_VENV)/.installed
 # The CPU rendezvous benchmark (about 10-15 minutes at the default subset); rewrites its section of
 # BENCHMARKS.md and benchmarks/rendezvous.png. Its peers live in a virtualenv of their own.
 BENCH_VENV ?= .venv-bench
-BENCH_ARGS ?= --ranks 8,128,512,2048 --reps 3
+BENCH_ARGS ?= --ranks 8,32,128,512,2048 --reps 3
 
 $(BENCH_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(BENCH_VENV)

@@ -232,7 +232,7 @@ def main() -> int:
         n = args.barriers
         print(f"{args.transport}, {args.processes} processes x {args.threads} threads: "
               f"{max(r[0] for r in results) / n * 1e3:.2f} ms per barrier; per barrier, clients "
-              f"{sum(r[1] for r in results) / n * 1e3:.1f} ms of CPU, server {server_cpu / n * 1e3:.1f} ms")
+              f"{sum(r[1] for r in results) / n * 1e3:.3f} ms of CPU, server {server_cpu / n * 1e3:.3f} ms")
         return 0
     finally:
         stop.set()  # the ranks end by themselves once done; the server on this

@@ -50,7 +50,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK_COUNTS = (8, 32, 128, 512, 2048, 8192, 16384)
-DEFAULT_RANKS = (8, 128, 512, 2048)
+DEFAULT_RANKS = (8, 32, 128, 512, 2048)
 PEER_NAMES = ("gridcomm", "torch", "jax", "cupyx")
 BLOB = bytes(range(128))
 BLOB_KEY = "bench/blob"
@@ -742,8 +742,8 @@ def section(report: dict[str, Any], png: str | None) -> str:
         f"RSS change over {report['runs'][0].get('idle_s', 0) if report['runs'] else 0:g} s idle with every "
         "client connected, and CPU seconds from start to the last barrier.",
         "",
-        f"gridcomm's protocol is being optimised (issue 6); these figures are from commit "
-        f"**{listed(report['gridcomm'])}**.",
+        f"gridcomm's figures are from commit **{listed(report['gridcomm'])}**; the speed attempts that led "
+        "there are recorded below the section.",
         "",
         f"- command: {listed(report['command'], code=True)}",
         f"- machine: {listed(report['machine'])}; shared with other work while it ran, hence medians and min..max",

@@ -11,7 +11,8 @@ Groups: when several clients of a stream make the same barrier arrival or the sa
 travel as one operation (``SessionOp.also`` lists the other callers) and one result answers them
 all, so the coordinator waits once and writes once per process instead of once per rank. A
 whole-job barrier is held up to HOLD_BARRIER_S, a get up to HOLD_GET_S, for the stream's other
-users to join it (sent at once when they all have).
+users to join it (sent at once when they all have, or when every one of them is waiting for
+some operation).
 Groups go only to a coordinator that advertises them in the stream's initial metadata.
 
 The stream lives on the process-wide background loop (:mod:`gridcomm._eventloop`): no thread per
