@@ -31,6 +31,7 @@ from typing import Any
 
 import grpc
 from rendezvous import proc_stats  # this directory is the script's: sys.path[0]
+from session_probe import switches
 
 
 def _same(data: bytes) -> bytes:
@@ -178,7 +179,10 @@ def rank_process(transport: str, port: int, threads: int, barriers: int, ready: 
         def send() -> None:
             loop.call_soon_threadsafe(calls[0].put_nowait, b"a" * 40)
 
+    rank_cpu: list[tuple[float, int, int]] = []  # each rank thread's CPU and switches (append is atomic)
+
     def rank() -> None:
+        started, (voluntary, involuntary) = time.thread_time(), switches()
         for _ in range(barriers):
             waiter = _Waiter()
             with mutex:
@@ -189,6 +193,8 @@ def rank_process(transport: str, port: int, threads: int, barriers: int, ready: 
             waiter.lock.acquire()
             for following in waiter.next:
                 following.lock.release()
+        voluntary_end, involuntary_end = switches()
+        rank_cpu.append((time.thread_time() - started, voluntary_end - voluntary, involuntary_end - involuntary))
 
     ready.put(os.getpid())
     go.wait(60)
@@ -198,7 +204,7 @@ def rank_process(transport: str, port: int, threads: int, barriers: int, ready: 
         t.start()
     for t in workers:
         t.join(600)
-    out.put((time.perf_counter() - wall, time.process_time() - cpu))
+    out.put((time.perf_counter() - wall, time.process_time() - cpu, *(sum(column) for column in zip(*rank_cpu, strict=True))))
     out.close()
     out.join_thread()
     os._exit(0)  # the reader threads and stream stay blocked; nothing to tidy in this process
@@ -232,7 +238,10 @@ def main() -> int:
         n = args.barriers
         print(f"{args.transport}, {args.processes} processes x {args.threads} threads: "
               f"{max(r[0] for r in results) / n * 1e3:.2f} ms per barrier; per barrier, clients "
-              f"{sum(r[1] for r in results) / n * 1e3:.3f} ms of CPU, server {server_cpu / n * 1e3:.3f} ms")
+              f"{sum(r[1] for r in results) / n * 1e3:.3f} ms of CPU (of which rank threads "
+              f"{sum(r[2] for r in results) / n * 1e3:.3f} ms; their voluntary and involuntary switches "
+              f"{sum(r[3] for r in results) / n:.1f} and {sum(r[4] for r in results) / n:.1f}), "
+              f"server {server_cpu / n * 1e3:.3f} ms")
         return 0
     finally:
         stop.set()  # the ranks end by themselves once done; the server on this
