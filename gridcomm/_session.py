@@ -336,8 +336,7 @@ class Session:
         # rank of the process, the one a barrier waits for, waited out a second hold.
         if not urgent:
             assert groups is not None
-            sizes = [len(lead.also) + 1 for lead in groups.values()]
-            # none: every held operation fell back
+            sizes = [len(lead.also) + 1 for lead in groups.values()]  # empty: every held operation fell back
             urgent = not sizes or min(sizes) >= users or len(self._waiters) >= users
         if urgent:
             self._send()
