@@ -259,10 +259,12 @@ def test_join_set_get_and_20_barriers_of_8_ranks(coordinator_factory, mode):
         # Why back to back: a rank released from #k arrives at #k+1 while others are still being
         # released from #k (the pattern that deadlocks cupyx's store-based barrier).
         assert on_threads(twenty, ranks) == [20] * world
-        assert pending_barrier(server.port, "loop") is None
         # The flow travelled as the mode says: one stream for the process, one per client, or
-        # each client's own unary channel.
+        # each client's own unary channel. Counted before the Status call below, whose own
+        # connection can still be open on the server's side for a moment after the call (seen
+        # once in about 50 runs of make test: 9 connections for 8 clients in mode "off").
         assert server_connections(server.port) == (1 if mode == "process" else world)
+        assert pending_barrier(server.port, "loop") is None
         on_threads(lambda c: c.leave(), ranks)
     assert server.wait_all_left(5.0)
     assert not server.state.failed
