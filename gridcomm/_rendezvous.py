@@ -181,8 +181,11 @@ class JobState:
 
     def check_caller(self, job_id: str, rank: int, incarnation: int, generation: int, what: str) -> Member:
         """Validates the identity on a post-join request and returns the member."""
-        self._check_job(job_id)
-        self._check_rank(rank, what)
+        # Why the guards: this runs for every rank on every request; the checks raise the errors.
+        if job_id != self.job_id:
+            self._check_job(job_id)
+        if not 0 <= rank < self.world_size:
+            self._check_rank(rank, what)
         member = self.members.get(rank)
         if member is None:
             raise StateError(FAILED_PRECONDITION, f"rank {rank} called {what} before joining; call join() first.")
@@ -259,15 +262,16 @@ class JobState:
         ``participants`` are the ranks that take part (empty: every rank). Returns the highest
         instance that is complete after this arrival (>= seq means done).
         """
-        self.check_barrier_name(name)
+        barrier = self.barriers.get(name)
+        if barrier is None:  # a name in use passed this check when its barrier opened
+            self.check_barrier_name(name)
         if seq < 1:
             raise StateError(INVALID_ARGUMENT, f"barrier {quote(name)} seq {seq} must be >= 1.")
-        members = self._participants(name, rank, participants)
+        members = self._participants(name, rank, participants) if participants else self._everyone
         # Why membership is checked before the barrier is opened: a refused arrival must leave
         # no trace (it would otherwise fix the group for the ranks that come after it).
         if rank not in (members if members is not self._everyone else range(self.world_size)):
             raise StateError(INVALID_ARGUMENT, f"rank {rank} is not a participant of barrier {quote(name)}.")
-        barrier = self.barriers.get(name)
         if barrier is None:
             if len(self.barriers) >= self.limits.max_barrier_names:
                 raise StateError(RESOURCE_EXHAUSTED, f"{len(self.barriers)} barrier names are in use, the limit.")

@@ -406,11 +406,16 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         """One caller's checks and arrival (each member of a Session group passes its own)."""
         member = self._caller(caller, "barrier")
         state = self._state
-        state.check_barrier_name(request.name)
-        state.check_not_failed(f"barrier {quote(request.name)}")
         name = request.name
-        before = state.barriers[name].completed if name in state.barriers else 0
-        completed = state.arrive(name, caller.rank, request.seq, self._now(), request.participants)
+        barrier = state.barriers.get(name)
+        # Why the guards: this runs once per rank per barrier, and a name already in use passed
+        # the name check when its barrier opened.
+        if barrier is None:
+            state.check_barrier_name(name)
+        if state._failed:  # the failed property, without its frame
+            state.check_not_failed(f"barrier {quote(name)}")
+        before = barrier.completed if barrier is not None else 0
+        completed = state.arrive(name, caller.rank, request.seq, member.last_seen, request.participants)
         for done_seq in range(before + 1, completed + 1):
             self._wake(("barrier", name, done_seq))
         return member  # type: ignore[no-any-return]

@@ -29,9 +29,10 @@ import collections
 import contextlib
 import itertools
 import logging
+import operator
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import grpc
@@ -67,23 +68,26 @@ class OpError(grpc.RpcError):
         return self._metadata
 
 
-class Deferred:
+class Deferred(tuple):  # type: ignore[type-arg]
     """A get's or barrier's fields, made into its protobuf request only where one is sent: by
     an operation alone or the lead of a group, or by a unary repeat. The other members of a
     group need only their caller and wait. Why: building a request message on every rank's
     thread, only for the loop thread to copy and free it, cost the ranks of a process a tenth of
-    their time per barrier (16 ranks a process)."""
+    their time per barrier (16 ranks a process). Why a tuple: made on every rank's thread,
+    where under load each Python frame costs several times its time alone; a tuple is made in
+    C (its fields are read on the loop thread, through C getters too). Made as
+    ``Deferred((message class, caller, wait_s, fields))``."""
 
-    __slots__ = ("message", "caller", "wait_s", "fields")
+    __slots__ = ()
 
-    def __init__(self, message: Callable[..., Any], caller: pb.Caller, wait_s: float, fields: dict[str, Any]) -> None:
-        self.message = message
-        self.caller = caller
-        self.wait_s = wait_s
-        self.fields = fields
+    message = property(operator.itemgetter(0))
+    caller = property(operator.itemgetter(1))
+    wait_s = property(operator.itemgetter(2))
+    fields = property(operator.itemgetter(3))
 
     def build(self) -> Any:
-        return self.message(caller=self.caller, wait_s=self.wait_s, **self.fields)
+        message, caller, wait_s, fields = self
+        return message(caller=caller, wait_s=wait_s, **fields)
 
 
 def built(request: Any) -> Any:
@@ -204,7 +208,7 @@ class Session:
         every client usually makes: a whole-job barrier, a rendezvous get; see _drain)."""
         if self.unsupported is not None:
             raise StreamBroken(self.unsupported)
-        if _eventloop.on_loop_thread():
+        if threading.get_ident() == _eventloop._thread_id and _eventloop.on_loop_thread():
             raise StreamBroken("called on the background loop's own thread, which cannot wait for itself")
         op_id = next(self._ids)
         waiter = _Waiter()
@@ -257,7 +261,13 @@ class Session:
                 with contextlib.suppress(RuntimeError):  # the loop is closed (interpreter exit)
                     self._loop.call_soon_threadsafe(waiter.pass_on)
             raise
-        waiter.pass_on()
+        following = waiter.next
+        if following:  # waiter.pass_on(), written out: this runs on every rank's thread
+            for other in following:
+                try:
+                    other.lock.release()
+                except RuntimeError:
+                    pass  # woken twice (see _Waiter.wake)
         if waiter.broken is not None:
             raise StreamBroken(waiter.broken)
         result = waiter.result

@@ -270,16 +270,27 @@ def test_join_set_get_and_20_barriers_of_8_ranks(coordinator_factory, mode):
     assert not server.state.failed
 
 
-def error_outcomes(mode: str, factory: Callable[..., gridcomm.Coordinator]) -> dict[str, Any]:
-    """Every failure a client can see, in one mode; each on a coordinator of its own."""
+def error_outcomes(mode: str, factory: Callable[..., gridcomm.Coordinator], via: str = "call") -> dict[str, Any]:
+    """Every failure a client can see, in one mode; each on a coordinator of its own. ``via``:
+    whether get and barrier are given their timeout per call, or take the client's (the path
+    that sends a get's or barrier's first slice straight to the stream)."""
     out: dict[str, Any] = {}
 
+    def timed(timeout_s: float) -> dict[str, Any]:
+        """The clients' keyword arguments and the calls' (one of them names the timeout)."""
+        return {"timeout_s": timeout_s} if via == "call" else {}
+
+    def made(port: int, world: int, timeout_s: float, **kwargs: Any) -> Any:
+        if via == "client":
+            kwargs["timeout_s"] = timeout_s
+        return clients(port, world, mode, **kwargs)
+
     server = factory(4)
-    with clients(server.port, 4, mode) as ranks:
-        on_threads(lambda c: c.join(), ranks)
+    with made(server.port, 4, 1.0) as ranks:
+        on_threads(lambda c: c.join(timeout_s=WAIT_S), ranks)
         # Rank 3 joined but never comes to the barrier.
-        out["barrier timeout"] = on_threads(lambda c: outcome(lambda: c.barrier("stuck", timeout_s=1.0)), ranks[:3])
-        out["get timeout"] = outcome(lambda: ranks[0].get("never-set", timeout_s=1.0))
+        out["barrier timeout"] = on_threads(lambda c: outcome(lambda: c.barrier("stuck", **timed(1.0))), ranks[:3])
+        out["get timeout"] = outcome(lambda: ranks[0].get("never-set", **timed(1.0)))
         out["bad key"] = outcome(lambda: ranks[0].set("", b"x"))
 
     server = factory(3)
@@ -296,38 +307,40 @@ def error_outcomes(mode: str, factory: Callable[..., gridcomm.Coordinator]) -> d
             out["nothing listening"] = outcome(nobody.join)[:3]  # the message names the port
 
     server = factory(3)
-    with clients(server.port, 3, mode) as ranks:
-        on_threads(lambda c: c.join(), ranks)
+    with made(server.port, 3, 10.0) as ranks:
+        on_threads(lambda c: c.join(timeout_s=WAIT_S), ranks)
         with ThreadPoolExecutor(2) as pool:
-            waiting = [pool.submit(outcome, functools.partial(c.barrier, "b", timeout_s=10.0)) for c in ranks[::2]]
+            waiting = [pool.submit(outcome, functools.partial(c.barrier, "b", **timed(10.0))) for c in ranks[::2]]
             wait_for(lambda: arrived(server.port, "b") == [0, 2], "ranks 0 and 2 waiting at barrier 'b'")
             ranks[1].report_failure("CUDA error: an illegal memory access")
             out["rank failed while waiting"] = [f.result(timeout=5.0) for f in waiting]
-        out["barrier after failure"] = outcome(lambda: ranks[0].barrier("next", timeout_s=5.0))
+        out["barrier after failure"] = outcome(lambda: ranks[0].barrier("next", **timed(5.0)))
+        out["get after failure"] = outcome(lambda: ranks[2].get("never-set", **timed(5.0)))
     return out
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_every_mode_fails_the_same_way(coordinator_factory):
-    with ThreadPoolExecutor(len(MODES)) as pool:
-        found = dict(zip(MODES, pool.map(lambda m: error_outcomes(m, coordinator_factory), MODES, timeout=50), strict=True))
-    for mode in MODES:
-        got = found[mode]
-        assert [o[:3] for o in got["barrier timeout"]] == [("RendezvousTimeout", [3], None)] * 3, (mode, got)
-        assert "[3]" in got["barrier timeout"][0][3], (mode, got)
-        assert got["get timeout"][:3] == ("RendezvousTimeout", [], None), (mode, got)
-        assert "'never-set'" in got["get timeout"][3], (mode, got)
-        assert got["bad key"][0] == "ConfigError", (mode, got)
-        assert got["join timeout"][:3] == ("RendezvousTimeout", [0, 2], None), (mode, got)
-        assert got["wrong token"][0] == "AuthenticationError" and "token is wrong" in got["wrong token"][3], (mode, got)
-        assert got["nothing listening"] == ("CoordinatorUnavailable", None, None), (mode, got)
-        for failed in (*got["rank failed while waiting"], got["barrier after failure"]):
-            assert failed[:3] == ("RankFailedError", None, 1) and "illegal memory access" in failed[3], (mode, got)
-    # And the modes agree with each other to the word (a Session operation answers as its unary RPC).
-    assert found["process"] == found["off"]
-    assert found["client"] == found["off"]
-
-
+    runs = [(mode, via) for mode in MODES for via in ("call", "client")]
+    with ThreadPoolExecutor(len(runs)) as pool:
+        found = dict(zip(runs, pool.map(lambda run: error_outcomes(run[0], coordinator_factory, run[1]), runs, timeout=80),
+                         strict=True))
+    for run in runs:
+        got = found[run]
+        assert [o[:3] for o in got["barrier timeout"]] == [("RendezvousTimeout", [3], None)] * 3, (run, got)
+        assert "[3]" in got["barrier timeout"][0][3], (run, got)
+        assert got["get timeout"][:3] == ("RendezvousTimeout", [], None), (run, got)
+        assert "'never-set'" in got["get timeout"][3], (run, got)
+        assert got["bad key"][0] == "ConfigError", (run, got)
+        assert got["join timeout"][:3] == ("RendezvousTimeout", [0, 2], None), (run, got)
+        assert got["wrong token"][0] == "AuthenticationError" and "token is wrong" in got["wrong token"][3], (run, got)
+        assert got["nothing listening"] == ("CoordinatorUnavailable", None, None), (run, got)
+        for failed in (*got["rank failed while waiting"], got["barrier after failure"], got["get after failure"]):
+            assert failed[:3] == ("RankFailedError", None, 1) and "illegal memory access" in failed[3], (run, got)
+    # And the modes agree with each other to the word (a Session operation answers as its unary
+    # RPC), whether the timeout is the call's or the client's.
+    for run in runs:
+        assert found[run] == found[("off", "call")], run
 
 
 @pytest.mark.timeout(30)
@@ -622,7 +635,10 @@ def coordinator_without_session(world: int) -> Iterator[tuple[gridcomm.Coordinat
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", MODES)
-def test_a_coordinator_without_session_is_served_by_unary_calls(mode):
+# via: get and barrier given their timeout per call, or taking the client's (the path that sends
+# the first slice straight to the stream, and repeats it as a unary call itself).
+@pytest.mark.parametrize("via", ["call", "client"])
+def test_a_coordinator_without_session_is_served_by_unary_calls(mode, via):
     world = 3
     with coordinator_without_session(world) as (server, port, counter), clients(port, world, mode) as ranks:
         assert on_threads(lambda c: c.join(), ranks) == [1] * world
@@ -631,10 +647,17 @@ def test_a_coordinator_without_session_is_served_by_unary_calls(mode):
         assert {"process": counter.calls["Session"] >= 1, "client": counter.calls["Session"] >= world,
                 "off": counter.calls["Session"] == 0}[mode], counter.calls
         ranks[0].set("k", b"v")
-        assert on_threads(lambda c: c.get("k", timeout_s=5.0), ranks) == [b"v"] * world
+        timed: Callable[[float], dict[str, float]] = lambda t: {"timeout_s": t} if via == "call" else {}  # noqa: E731
+        if via == "client":
+            for c in ranks:
+                c.timeout_s = 5.0
+        assert on_threads(lambda c: c.get("k", **timed(5.0)), ranks) == [b"v"] * world
         for _ in range(5):
-            on_threads(lambda c: c.barrier("b", timeout_s=5.0), ranks)
-        assert [o[:3] for o in on_threads(lambda c: outcome(lambda: c.barrier("late", timeout_s=0.5)), ranks[:2])] \
+            on_threads(lambda c: c.barrier("b", **timed(5.0)), ranks)
+        if via == "client":
+            for c in ranks:
+                c.timeout_s = 0.5
+        assert [o[:3] for o in on_threads(lambda c: outcome(lambda: c.barrier("late", **timed(0.5))), ranks[:2])] \
             == [("RendezvousTimeout", [2], None)] * 2
         on_threads(lambda c: c.leave(), ranks)
         assert server.wait_all_left(5.0)
@@ -721,10 +744,12 @@ def proxied_pair(factory: Callable[..., gridcomm.Coordinator], mode: str
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", MODES)
-def test_a_stream_cut_mid_wait_is_repeated_as_a_unary_call(coordinator_factory, mode):
+@pytest.mark.parametrize("via", ["call", "client"])  # as in test_a_coordinator_without_session_is_served_by_unary_calls
+def test_a_stream_cut_mid_wait_is_repeated_as_a_unary_call(coordinator_factory, mode, via):
     with proxied_pair(coordinator_factory, mode) as (server, proxy, near, far), ThreadPoolExecutor(1) as pool:
         assert proxy.accepted == 1  # near's stream (or unary channel) carried its join
-        waiting = pool.submit(outcome, lambda: near.barrier("x", timeout_s=15.0))
+        near.timeout_s = 15.0
+        waiting = pool.submit(outcome, lambda: near.barrier("x", **({"timeout_s": 15.0} if via == "call" else {})))
         wait_for(lambda: arrived(server.port, "x") == [0], "rank 0 waiting at barrier 'x'")
         proxy.cut()
         # near dials again (its repeated call, or the unary channel's retry) and is still waiting.
@@ -742,20 +767,54 @@ def test_a_stream_cut_mid_wait_is_repeated_as_a_unary_call(coordinator_factory, 
 @pytest.mark.timeout(60)
 # The unary repeat once got the whole slice again (found here, fixed).
 @pytest.mark.parametrize("mode", ["off", "process"])
-def test_a_stream_cut_late_in_a_wait_keeps_the_callers_deadline(coordinator_factory, mode):
+@pytest.mark.parametrize("via", ["call", "client"])  # as in test_a_coordinator_without_session_is_served_by_unary_calls
+def test_a_stream_cut_late_in_a_wait_keeps_the_callers_deadline(coordinator_factory, mode, via):
     timeout_s, cut_at_s = 2.5, 2.0
     bound_s = timeout_s + 1.0 + 0.3  # the unary call's deadline (wait + the client's 1 s slack) + scheduling
     with proxied_pair(coordinator_factory, mode) as (server, proxy, near, far):
+        near.timeout_s = timeout_s
         cutter = threading.Timer(cut_at_s, proxy.cut)
         started = time.monotonic()
         cutter.start()
         try:
-            got = outcome(lambda: near.barrier("late", timeout_s=timeout_s))
+            got = outcome(lambda: near.barrier("late", **({"timeout_s": timeout_s} if via == "call" else {})))
         finally:
             cutter.cancel()
         elapsed = time.monotonic() - started
         assert got[:3] == ("RendezvousTimeout", [1], None), got
         assert elapsed <= bound_s, f"barrier(timeout_s={timeout_s}) answered after {elapsed:.2f} s"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+# With the client's timeout, a get's or barrier's first slice goes straight to the stream; a slice
+# that ends unanswered goes on as the long poll, whose deadline counts from the first slice's start.
+def test_a_long_poll_goes_on_after_its_first_slice_and_keeps_the_clients_deadline(coordinator_factory, monkeypatch, mode):
+    slice_s, timeout_s = 0.8, 1.2
+    bound_s = timeout_s + 0.45  # counted again from the second slice it would be slice_s + timeout_s = 2.0 s
+    monkeypatch.setattr(gridcomm._client, "PROGRESS_INTERVAL_S", slice_s)
+    server = coordinator_factory(2)
+    with clients(server.port, 2, mode) as ranks, ThreadPoolExecutor(2) as pool:
+        on_threads(lambda c: c.join(), ranks)
+        for c in ranks:
+            c.timeout_s = 5.0
+        # Answered in the third slice: rank 1 comes after 2 s.
+        later = pool.submit(lambda: (time.sleep(2.0), ranks[1].set("late", b"v"), ranks[1].barrier("slow")))
+        started = time.monotonic()
+        got = pool.submit(lambda: (ranks[0].get("late"), ranks[0].barrier("slow")))
+        assert got.result(timeout=10.0) == (b"v", None) and later.result(timeout=10.0)[1:] == (None, None)
+        assert time.monotonic() - started >= 2.0
+        assert ranks[0]._barrier_seq["slow"] == ranks[1]._barrier_seq["slow"] == 1
+        assert pending_barrier(server.port, "slow") is None
+        # Never answered: the error comes at the client's deadline, not one slice later.
+        ranks[0].timeout_s = timeout_s
+        for call, expected in ((lambda: ranks[0].barrier("stuck"), ("RendezvousTimeout", [1], None)),
+                               (lambda: ranks[0].get("never-set"), ("RendezvousTimeout", [], None))):
+            started = time.monotonic()
+            found = outcome(call)
+            elapsed = time.monotonic() - started
+            assert found[:3] == expected, found
+            assert timeout_s - 0.05 <= elapsed <= bound_s, f"{found[3]}: after {elapsed:.2f} s"
 
 
 # ------------------------------------------------------------------------------------ 5. idempotence
@@ -1100,7 +1159,7 @@ def test_an_operation_the_loop_cannot_build_falls_back_alone(coordinator_factory
         on_threads(lambda c: c.join(), made)
         session = made[0]._session
         stream = session._call
-        bad = _session.Deferred(pb.GetRequest, made[0].caller, 1.0, {"key": "half\ud800"})
+        bad = _session.Deferred((pb.GetRequest, made[0].caller, 1.0, {"key": "half\ud800"}))
         with pytest.raises(_session.StreamBroken, match="could not carry the operation"):
             session.call("get", bad, 5.0, ("get", "half"), _session.HOLD_GET_S)
         made[1].set("k", b"v")
