@@ -311,10 +311,10 @@ class _Servicer(pb_grpc.CoordinatorServicer):
                     if not futs:
                         del self._waiters[key]
 
-    def _caller(self, caller: pb.Caller, what: str) -> Any:
+    def _caller(self, caller: pb.Caller, what: str, now: float | None = None) -> Any:
         state = self._state
         member = state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, what)
-        member.last_seen = self._now()
+        member.last_seen = self._now() if now is None else now
         return member
 
     def _on_failure(self) -> None:
@@ -378,9 +378,10 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         self._wake(("kv", request.key))
         return pb.SetResponse()
 
-    def _admit_get(self, request: pb.GetRequest, caller: pb.Caller) -> Member:
-        """A get's checks of one caller (each member of a Session group passes its own)."""
-        return self._caller(caller, "get")  # type: ignore[no-any-return]
+    def _admit_get(self, request: pb.GetRequest, caller: pb.Caller, shared: tuple[Any, ...] | None = None) -> Member:
+        """A get's checks of one caller (each member of a Session group passes its own;
+        ``shared``: what _shared_fields read once for the group)."""
+        return self._caller(caller, "get", None if shared is None else shared[0])  # type: ignore[no-any-return]
 
     def _begin_get(self, request: pb.GetRequest, members: Sequence[Member]) -> pb.GetResponse | _Parked:
         """The value, or what to wait for; ``members`` (the caller, or a Session group) were admitted."""
@@ -402,11 +403,24 @@ class _Servicer(pb_grpc.CoordinatorServicer):
             return await self._finish(begun, request.wait_s, context)  # type: ignore[no-any-return]
         return begun
 
-    def _admit_barrier(self, request: pb.BarrierRequest, caller: pb.Caller) -> Member:
-        """One caller's checks and arrival (each member of a Session group passes its own)."""
-        member = self._caller(caller, "barrier")
+    def _shared_fields(self, request: Any) -> tuple[Any, ...]:
+        """What every member of a Session group of gets or barriers shares, read once for the
+        group: the time, and a barrier's name, seq and participants. Why: each read of a
+        protobuf field makes a new Python object, and this ran once per rank per barrier."""
+        now = self._now()
+        if type(request) is pb.BarrierRequest:
+            return now, request.name, request.seq, request.participants
+        return (now,)
+
+    def _admit_barrier(self, request: pb.BarrierRequest, caller: pb.Caller,
+                       shared: tuple[Any, ...] | None = None) -> Member:
+        """One caller's checks and arrival (each member of a Session group passes its own;
+        ``shared``: what _shared_fields read once for the group)."""
+        if shared is None:
+            shared = self._shared_fields(request)
+        now, name, seq, participants = shared
+        member = self._caller(caller, "barrier", now)
         state = self._state
-        name = request.name
         barrier = state.barriers.get(name)
         # Why the guards: this runs once per rank per barrier, and a name already in use passed
         # the name check when its barrier opened.
@@ -415,7 +429,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         if state._failed:  # the failed property, without its frame
             state.check_not_failed(f"barrier {quote(name)}")
         before = barrier.completed if barrier is not None else 0
-        completed = state.arrive(name, caller.rank, request.seq, member.last_seen, request.participants)
+        completed = state.arrive(name, member.rank, seq, now, participants)
         for done_seq in range(before + 1, completed + 1):
             self._wake(("barrier", name, done_seq))
         return member  # type: ignore[no-any-return]
@@ -744,7 +758,8 @@ _SESSION_METHODS: dict[str, Callable[..., Awaitable[Any]]] = {
 #: The operations that come by the thousand (barriers, a rendezvous's gets), in two steps: the
 #: checks (and arrival) of one caller, then, once for all the callers of a group, what answers
 #: at once or what to wait for. They wait without a task each, and may be grouped (SessionOp.also).
-_SESSION_PARKING: dict[str, tuple[Callable[[_Servicer, Any, pb.Caller], Member], Callable[[_Servicer, Any, Sequence[Member]], Any]]] = {
+_SESSION_PARKING: dict[str, tuple[Callable[[_Servicer, Any, pb.Caller, tuple[Any, ...]], Member],
+                                   Callable[[_Servicer, Any, Sequence[Member]], Any]]] = {
     "barrier": (_Servicer._admit_barrier, _Servicer._begin_barrier),
     "get": (_Servicer._admit_get, _Servicer._begin_get),
 }
@@ -862,9 +877,10 @@ class _ServerSession:
         servicer.grouped += len(op.also)
         callers = [(op.id, request.caller)]
         callers.extend((member.id, member.caller) for member in op.also)
+        shared = servicer._shared_fields(request)
         for op_id, caller in callers:
             try:
-                members.append(admit(servicer, request, caller))
+                members.append(admit(servicer, request, caller, shared))
             except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
                 self._answer(self._refused(op_id, name, exc))
                 continue

@@ -101,18 +101,17 @@ class StreamBroken(Exception):
 
 
 class _Waiter:
-    """One caller waiting for one result: a lock taken at creation and released by the loop
-    (cheaper than an Event, whose Condition costs more per wake-up)."""
+    """One caller waiting for one result: a lock taken at creation (by Session.call) and
+    released by the loop (cheaper than an Event, whose Condition costs more per wake-up). Why
+    no __init__: one is made per operation on the caller's thread, and a class whose __init__
+    is Python code costs a frame to make; the fields the loop may never set read the class's
+    defaults instead."""
 
-    __slots__ = ("lock", "result", "broken", "next")
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.lock.acquire()
-        self.result: pb.SessionResult | None = None
-        self.broken: str | None = None
-        #: The waiters this one wakes once it runs (see _wake_tree).
-        self.next: list[_Waiter] | None = None
+    lock: threading.Lock
+    result: pb.SessionResult | None = None
+    broken: str | None = None
+    #: The waiters this one wakes once it runs (see _wake_tree).
+    next: list[_Waiter] | None = None
 
     def wake(self) -> None:
         try:
@@ -174,7 +173,9 @@ class Session:
         #: Set when the coordinator does not serve Session (an older one): unary calls only.
         self.unsupported: str | None = None
         # Loop-thread state.
-        self._outbox: list[pb.SessionOp] = []
+        #: The next message to write. Why a message, not a list of ops: the ops (a group's 16
+        #: callers, say) are made in place, not copied once more into the request at the write.
+        self._outbox = pb.SessionRequest()
         #: The outbox's groups by key (see _drain); whether this stream's coordinator takes them.
         self._groups: dict[Any, pb.SessionOp] = {}
         self._grouping = False
@@ -212,6 +213,8 @@ class Session:
             raise StreamBroken("called on the background loop's own thread, which cannot wait for itself")
         op_id = next(self._ids)
         waiter = _Waiter()
+        waiter.lock = lock = threading.Lock()
+        lock.acquire()
         self._waiters[op_id] = waiter
         self._inbox.append((op_id, kind, request, group, hold))
         # Why the flag: one wake-up of the loop (a write to its self-pipe) for every batch of
@@ -237,19 +240,19 @@ class Session:
             acquired = False
             if keep:
                 try:
-                    acquired = waiter.lock.acquire(timeout=keep)
+                    acquired = lock.acquire(timeout=keep)
                 finally:
                     # The hold ran out, or this wait was interrupted, before any drain took the
                     # held operations: the loop sends them now.
                     if not acquired and kept_at == self._drains and not self._drain_pending:
                         self._wake_loop(op_id, force=True)
                 timeout_s -= keep
-            if not acquired and not waiter.lock.acquire(timeout=max(0.0, timeout_s)):
+            if not acquired and not lock.acquire(timeout=max(0.0, timeout_s)):
                 if self._waiters.pop(op_id, None) is not None:
                     raise OpError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
                 # The loop took this waiter at the same moment: its wake-up (and the chain
                 # behind it) is on the way.
-                waiter.lock.acquire()
+                lock.acquire()
         except (OpError, StreamBroken):
             raise  # this waiter was taken back before the loop took it: nothing to pass on
         except BaseException:
@@ -328,13 +331,13 @@ class Session:
                         lead_request.wait_s = request.wait_s
                     continue
             try:
-                op = pb.SessionOp(id=op_id, **{kind: built(request)})
+                message = built(request)
             except Exception as exc:  # noqa: BLE001 - its caller's unary repeat builds it again and sees why
                 self._fall_back([op_id], f"could not carry the operation ({exc!r})")
                 continue
+            op = outbox.ops.add(id=op_id, **{kind: message})
             if group is not None and groups is not None:
                 groups[group] = op
-            outbox.append(op)
         # Why hold: the ranks of a process reach a barrier one after another (each needs the
         # GIL), so sending at once splits them over several messages, each costing both sides a
         # gRPC read and write. A group that every user usually joins waits (see HOLD_BARRIER_S)
@@ -393,15 +396,15 @@ class Session:
             while self._call is call:
                 await has_work.wait()
                 has_work.clear()
-                batch, self._outbox = self._outbox, []
+                batch, self._outbox = self._outbox, pb.SessionRequest()
                 self._groups = {}
-                if batch:
+                if batch.ops:
                     sent = self._sent
-                    for op in batch:
+                    for op in batch.ops:
                         sent.add(op.id)
                         if op.also:
                             sent.update(member.id for member in op.also)
-                    await call.write(pb.SessionRequest(ops=batch))
+                    await call.write(batch)
         except asyncio.CancelledError:
             self._broken(call, "cancelled")
             raise
@@ -466,10 +469,10 @@ class Session:
         if self._has_work is not None:
             self._has_work.set()  # ends this stream's writer
         lost = set(self._sent)
-        for op in self._outbox:
+        for op in self._outbox.ops:
             lost.add(op.id)
             lost.update(member.id for member in op.also)
-        self._sent, self._outbox, self._groups = set(), [], {}
+        self._sent, self._outbox, self._groups = set(), pb.SessionRequest(), {}
         self._fall_back(lost, f"ended: {why}")
         if lost:
             # Why not a warning when cancelled: that is this process closing the stream (exit).
@@ -498,7 +501,7 @@ class Session:
         # client refuses.
         self._fall_back(list(self._waiters), "was closed")
         self._inbox.clear()
-        self._outbox, self._groups, self._sent = [], {}, set()
+        self._outbox, self._groups, self._sent = pb.SessionRequest(), {}, set()
         call, self._call = self._call, None
         if self._has_work is not None:
             self._has_work.set()  # ends the writer
