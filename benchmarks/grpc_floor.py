@@ -30,8 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-from rendezvous import proc_stats  # this directory is the script's: sys.path[0]
-from session_probe import switches
+from session_probe import gate_and_collect, switches  # this directory is the script's: sys.path[0]
 
 
 def _same(data: bytes) -> bytes:
@@ -227,14 +226,7 @@ def main() -> int:
         port, server_pid = out.get(timeout=60)
         ranks = [ctx.Process(target=rank_process, args=(args.transport, port, args.threads, args.barriers, ready, go, out))
                  for _ in range(args.processes)]
-        for p in ranks:
-            p.start()
-        for _ in ranks:
-            ready.get(timeout=120)
-        server_cpu = proc_stats(server_pid)["cpu_s"]
-        go.set()
-        results = [out.get(timeout=600) for _ in ranks]
-        server_cpu = proc_stats(server_pid)["cpu_s"] - server_cpu
+        results, server_cpu = gate_and_collect(ranks, ready, go, out, server_pid, 600)
         n = args.barriers
         print(f"{args.transport}, {args.processes} processes x {args.threads} threads: "
               f"{max(r[0] for r in results) / n * 1e3:.2f} ms per barrier; per barrier, clients "

@@ -48,13 +48,35 @@ def switches() -> tuple[int, int]:
     return int(values["voluntary_ctxt_switches"]), int(values["nonvoluntary_ctxt_switches"])
 
 
+def gate_and_collect(workers: list[Any], ready: Any, go: Any, out: Any, server_pid: int,
+                     result_timeout_s: float) -> tuple[list[Any], float]:
+    """Starts the worker processes, waits until each has said it is ready, opens ``go`` and
+    collects one result from each; returns them with the server's CPU seconds in between."""
+    for worker in workers:
+        worker.start()
+    for _ in workers:
+        ready.get(timeout=300)
+    server_cpu = proc_stats(server_pid)["cpu_s"]
+    go.set()
+    results = [out.get(timeout=result_timeout_s) for _ in workers]
+    return results, proc_stats(server_pid)["cpu_s"] - server_cpu
+
+
+def stop_server(stop: Any, server: Any) -> None:
+    """Tells the coordinator process to stop and waits for it (bounded; killed if it hangs)."""
+    stop.set()
+    server.join(30)
+    if server.is_alive():
+        server.kill()
+
+
 def serve(path: str, ranks: int, out: Any, stop: Any) -> None:
     sys.path.insert(0, path)
     import gridcomm
 
     coordinator = gridcomm.Coordinator(ranks, bind="127.0.0.1", port=0).start()
     out.put((coordinator.port, os.getpid()))
-    stop.wait(600)
+    stop.wait(1800)
     coordinator.stop()
 
 
@@ -117,10 +139,7 @@ def main() -> int:
             client.leave()
         return 0
     finally:
-        stop.set()
-        server.join(30)
-        if server.is_alive():
-            server.kill()
+        stop_server(stop, server)
 
 
 if __name__ == "__main__":
