@@ -33,7 +33,8 @@ from session_probe import (  # this directory is sys.path[0]
 )
 
 
-def ranks_process(path: str, port: int, ranks: range, world: int, barriers: int, joined: Any, go: Any, out: Any) -> None:
+def ranks_process(path: str, port: int, ranks: range, world: int, barriers: int, fresh: bool, joined: Any, go: Any,
+                  out: Any) -> None:
     sys.path.insert(0, path)
     import gridcomm
 
@@ -49,8 +50,8 @@ def ranks_process(path: str, port: int, ranks: range, world: int, barriers: int,
 
     def run(client: Any) -> None:
         cpu, (voluntary, involuntary) = time.thread_time(), switches()
-        for _ in range(barriers):
-            client.barrier("probe")
+        for i in range(barriers):
+            client.barrier(f"probe-{i}" if fresh else "probe")
         voluntary_end, involuntary_end = switches()
         rank_stats.append((time.thread_time() - cpu, voluntary_end - voluntary, involuntary_end - involuntary))
 
@@ -81,6 +82,8 @@ def main() -> int:
     ap.add_argument("--processes", type=int, default=32)
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--barriers", type=int, default=300)
+    ap.add_argument("--names", choices=("same", "fresh"), default="same",
+                    help="one barrier name throughout, or a new one per barrier (as benchmarks/rendezvous.py does)")
     ap.add_argument("--gridcomm", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                     help="the checkout whose gridcomm package to measure (default: this one)")
     args = ap.parse_args()
@@ -93,7 +96,7 @@ def main() -> int:
     try:
         port, server_pid = out.get(timeout=60)
         workers = [ctx.Process(target=ranks_process, args=(args.gridcomm, port, range(p * args.threads, (p + 1) * args.threads),
-                                                           world, args.barriers, joined, go, out))
+                                                           world, args.barriers, args.names == "fresh", joined, go, out))
                    for p in range(args.processes)]
         results, server_cpu = gate_and_collect(workers, joined, go, out, server_pid, 1200)
         n = args.barriers

@@ -247,7 +247,7 @@ class Session:
                     if not acquired and kept_at == self._drains and not self._drain_pending:
                         self._wake_loop(op_id, force=True)
                 timeout_s -= keep
-            if not acquired and not lock.acquire(timeout=max(0.0, timeout_s)):
+            if not acquired and not lock.acquire(True, timeout_s if timeout_s > 0.0 else 0.0):
                 if self._waiters.pop(op_id, None) is not None:
                     raise OpError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
                 # The loop took this waiter at the same moment: its wake-up (and the chain
