@@ -295,8 +295,8 @@ class CoordinatorClient:
                    failed: RendezvousTimeout | None = None) -> _T:
         """Repeats ``attempt(wait_s, call_timeout_s)`` in bounded slices until it succeeds or the
         overall deadline passes, logging who is still missing after each slice. ``failed``: the
-        timeout of a first slice already run by :meth:`_first_slice` (the deadline counts from
-        its start)."""
+        timeout of a first slice that get or barrier already ran (see :meth:`_first_slice_failed`);
+        the deadline counts from that slice's start."""
         total = self.timeout_s if timeout_s is None else _config.parse_duration("timeout_s", timeout_s)
         started = time.monotonic() if failed is None else failed.started  # type: ignore[attr-defined]
         deadline = started + total
