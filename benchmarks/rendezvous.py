@@ -784,6 +784,34 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def pooled(reports: list[dict[str, Any]]) -> str:
+    """Per-repetition ratios pooled over runs: each gridcomm repetition divided by each other
+    peer's in the same repetition of the same run (the machine drifts between runs, less within
+    one), then the median [min..max] and how many fell below 1.0 (gridcomm faster)."""
+    ratios: dict[tuple[int, str, str], list[float]] = {}
+    for report in reports:
+        ok = [run for run in report["runs"] if run.get("status") == "ok"]
+        by = {(run["world"], run["peer"], run["rep"]): run for run in ok}
+        for (world, peer, rep), run in by.items():
+            ours = by.get((world, "gridcomm", rep))
+            if peer == "gridcomm" or ours is None:
+                continue
+            for key in ("t1_s", "t2_s", "gate_release_s"):
+                if ours.get(key) and run.get(key):
+                    ratios.setdefault((world, peer, key), []).append(ours[key] / run[key])
+            if all(r.get(k) for r in (ours, run) for k in ("t1_s", "gate_release_s")):
+                rest = (ours["t1_s"] - ours["gate_release_s"], run["t1_s"] - run["gate_release_s"])
+                if rest[1] > 0:
+                    ratios.setdefault((world, peer, "T1 after its gate"), []).append(rest[0] / rest[1])
+    lines = ["| N | against | measure | repetitions | gridcomm/peer median [min..max] | below 1.0 |",
+             "| ---: | --- | --- | ---: | --- | ---: |"]
+    for (world, peer, key), values in sorted(ratios.items()):
+        name = {"t1_s": "T1", "t2_s": "T2", "gate_release_s": "T1's gate"}.get(key, key)
+        lines.append(f"| {world} | {peer} | {name} | {len(values)} | {statistics.median(values):.2f}x "
+                     f"[{min(values):.2f}..{max(values):.2f}] | {sum(v < 1.0 for v in values)} |")
+    return "\n".join(lines)
+
+
 def listed(value: str | list[str], code: bool = False) -> str:
     items = value if isinstance(value, list) else [value]
     return "; ".join(f"`{v}`" if code else v for v in items)
@@ -807,6 +835,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", default=None, help="write the raw results here (also read by --from-json)")
     ap.add_argument("--from-json", default=None, metavar="FILE[,FILE...]",
                     help="only render tables and plot from earlier --json files (runs merged)")
+    ap.add_argument("--pool", default=None, metavar="FILE[,FILE...]",
+                    help="print per-repetition ratios against each peer, pooled over these --json files, and exit")
     ap.add_argument("--markdown", default=None, help="write the section into this file (e.g. BENCHMARKS.md)")
     ap.add_argument("--plot", default="benchmarks/rendezvous.png", help="PNG path ('' for none)")
     ap.add_argument("--no-netns", action="store_true",
@@ -859,6 +889,9 @@ def main(argv: list[str] | None = None) -> int:
     if args._run:
         print(json.dumps(drive(args._run, args.world, args.barriers, args.timeout_s, args.barrier_timeout_s,
                                args.idle_s)), flush=True)
+        return 0
+    if args.pool:
+        print(pooled([json.loads(Path(f).read_text()) for f in args.pool.split(",")]))
         return 0
     if not args.from_json and not args.no_netns:
         loopback_only(argv)
