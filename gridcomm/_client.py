@@ -250,18 +250,21 @@ class CoordinatorClient:
             started = time.monotonic()
             try:
                 return self._session.call(kind, request, timeout_s, group, hold)
-            except _session.OpError as exc:
-                raise translate(exc, what, self.target) from None
-            except _session.StreamBroken as exc:
-                log.debug("rank %d: %s; repeating %s as a unary call", self.rank, exc, kind)
-            return self._repeat_unary(kind, request, what, timeout_s, started, wait_for_ready)
+            except (_session.OpError, _session.StreamBroken) as exc:
+                error: Exception = exc
+            return self._not_answered_on_stream(kind, request, error, what, timeout_s, started, wait_for_ready)
         method = getattr(self._stub, _UNARY[kind])
         return self._call(method, _session.built(request), what, timeout_s, wait_for_ready=wait_for_ready)
 
-    def _repeat_unary(self, kind: str, request: Any, what: str, timeout_s: float, started: float,
-                      wait_for_ready: bool = False) -> Any:
-        """An operation the Session stream could not carry (it broke, or is not served), repeated
-        as its unary RPC with what is left of ``timeout_s`` since ``started``."""
+    def _not_answered_on_stream(self, kind: str, request: Any, error: Exception, what: str, timeout_s: float,
+                                started: float, wait_for_ready: bool = False) -> Any:
+        """An operation the Session stream raised ``error`` for: a status (OpError) is
+        translated and raised; a broken stream, or one not served, repeats the operation as its
+        unary RPC with what is left of ``timeout_s`` since ``started`` (every operation is
+        idempotent)."""
+        if isinstance(error, _session.OpError):
+            raise translate(error, what, self.target) from None
+        log.debug("rank %d: %s; repeating %s as a unary call", self.rank, error, kind)
         # Why: the repeat gets what is left of this call's time, not all of it again.
         timeout_s -= time.monotonic() - started
         if timeout_s <= 0:
@@ -272,20 +275,17 @@ class CoordinatorClient:
 
     def _first_slice_failed(self, kind: str, request: Any, error: Exception, started: float,
                             what: Callable[[], str]) -> Any:
-        """What :meth:`_op` does when the first slice of a get's or barrier's long poll, sent
-        straight to the Session stream by the method itself (its fast path), raised ``error``:
-        a status is translated, a broken stream repeats the operation as a unary call. Returns
-        the response, or the RendezvousTimeout of a slice that ended without one (the long poll
-        goes on from there); raises anything else. Why the fast path: under load every Python
-        step on a rank's thread costs several times its time alone (cold caches, 2 cores for 33
-        processes). At 512 ranks (32 processes x 16 threads) the rank threads' CPU per barrier
-        fell from 15.9-17.9 ms to 11.1-12.8 ms when a barrier went straight to the stream,
-        skipping the long poll's and _op's frames (measured with a bare call in their place)."""
+        """What :meth:`_op` does (:meth:`_not_answered_on_stream`) when the first slice of a
+        get's or barrier's long poll, sent straight to the Session stream by the method itself
+        (its fast path), raised ``error``. Returns the response, or the RendezvousTimeout of a
+        slice that ended without one (the long poll goes on from there); raises anything else.
+        Why the fast path: under load every Python step on a rank's thread costs several times
+        its time alone (cold caches, 2 cores for 33 processes). At 512 ranks (32 processes x 16
+        threads) the rank threads' CPU per barrier fell from 15.9-17.9 ms to 11.1-12.8 ms when a
+        barrier went straight to the stream, skipping the long poll's and _op's frames
+        (measured with a bare call in their place)."""
         try:
-            if isinstance(error, _session.OpError):
-                raise translate(error, what(), self.target) from None
-            log.debug("rank %d: %s; repeating %s as a unary call", self.rank, error, kind)
-            return self._repeat_unary(kind, request, what(), request.wait_s + _CALL_SLACK_S, started)
+            return self._not_answered_on_stream(kind, request, error, what(), request.wait_s + _CALL_SLACK_S, started)
         except RendezvousTimeout as exc:
             exc.started = started  # type: ignore[attr-defined]
             return exc

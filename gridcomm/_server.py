@@ -420,9 +420,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
             shared = self._shared_fields(request)
         now, name, seq, participants = shared
         state = self._state
-        # self._caller(caller, "barrier", now), written out: this runs once per rank per barrier.
-        member = state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, "barrier")
-        member.last_seen = now
+        member = self._caller(caller, "barrier", now)
         barrier = state.barriers.get(name)
         # Why the guards: this runs once per rank per barrier, and a name already in use passed
         # the name check when its barrier opened.

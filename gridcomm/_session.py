@@ -176,12 +176,9 @@ class Session:
         #: The next message to write. Why a message, not a list of ops: the ops (a group's 16
         #: callers, say) are made in place, not copied once more into the request at the write.
         self._outbox = pb.SessionRequest()
-        #: The ids of every operation in the outbox, group members included (kept here so the
-        #: writer need not read them back out of the message).
-        self._outbox_ids: list[int] = []
-        #: The outbox's groups by key (see _drain): [lead op, its request, size, earliest wait_s];
-        #: whether this stream's coordinator takes them.
-        self._groups: dict[Any, list[Any]] = {}
+        #: The outbox's groups by key (see _drain): (lead op, its request); whether this
+        #: stream's coordinator takes them.
+        self._groups: dict[Any, tuple[pb.SessionOp, Any]] = {}
         self._grouping = False
         #: The pending hold: its timer, when it ends, and how long it was (read by calling
         #: threads to decide whether to wake the loop).
@@ -298,7 +295,7 @@ class Session:
         self._drain_pending = False  # before taking: an op queued from now on schedules a drain
         self._kept = False  # a thread keeping a hold leaves it to this drain
         self._drains += 1
-        inbox, outbox, outbox_ids = self._inbox, self._outbox, self._outbox_ids
+        inbox, outbox = self._inbox, self._outbox
         if not inbox:
             if force:
                 self._send()
@@ -325,16 +322,14 @@ class Session:
             elif hold < shortest:
                 shortest = hold
             if group is not None and groups is not None:
-                entry = groups.get(group)
-                if entry is not None:
-                    entry[0].also.add(id=op_id, caller=request.caller)
-                    entry[2] += 1
-                    outbox_ids.append(op_id)
+                lead = groups.get(group)
+                if lead is not None:
+                    lead_op, lead_request = lead
+                    lead_op.also.add(id=op_id, caller=request.caller)
                     # The group is answered at its earliest deadline; a member with time left
                     # asks again, as after any slice of a long poll.
-                    wait_s = request.wait_s
-                    if wait_s < entry[3]:
-                        entry[3] = entry[1].wait_s = wait_s
+                    if request.wait_s < lead_request.wait_s:
+                        lead_request.wait_s = request.wait_s
                     continue
             try:
                 message = built(request)
@@ -342,10 +337,8 @@ class Session:
                 self._fall_back([op_id], f"could not carry the operation ({exc!r})")
                 continue
             op = outbox.ops.add(id=op_id, **{kind: message})
-            outbox_ids.append(op_id)
             if group is not None and groups is not None:
-                lead_request = getattr(op, kind)
-                groups[group] = [op, lead_request, 1, lead_request.wait_s]
+                groups[group] = (op, getattr(op, kind))
         # Why hold: the ranks of a process reach a barrier one after another (each needs the
         # GIL), so sending at once splits them over several messages, each costing both sides a
         # gRPC read and write. A group that every user usually joins waits (see HOLD_BARRIER_S)
@@ -357,7 +350,7 @@ class Session:
         # rank of the process, the one a barrier waits for, waited out a second hold.
         if not urgent:
             assert groups is not None
-            sizes = [entry[2] for entry in groups.values()]  # empty: every held operation fell back
+            sizes = [len(lead_op.also) + 1 for lead_op, _ in groups.values()]  # empty: every held operation fell back
             urgent = not sizes or min(sizes) >= users or len(self._waiters) >= users
         if urgent:
             self._send()
@@ -405,10 +398,9 @@ class Session:
                 await has_work.wait()
                 has_work.clear()
                 batch, self._outbox = self._outbox, pb.SessionRequest()
-                batch_ids, self._outbox_ids = self._outbox_ids, []
                 self._groups = {}
-                if batch_ids:
-                    self._sent.update(batch_ids)
+                if batch.ops:
+                    self._sent.update(_ids(batch))
                     await call.write(batch)
         except asyncio.CancelledError:
             self._broken(call, "cancelled")
@@ -475,8 +467,8 @@ class Session:
         if self._has_work is not None:
             self._has_work.set()  # ends this stream's writer
         lost = set(self._sent)
-        lost.update(self._outbox_ids)
-        self._sent, self._outbox, self._outbox_ids, self._groups = set(), pb.SessionRequest(), [], {}
+        lost.update(_ids(self._outbox))
+        self._sent, self._outbox, self._groups = set(), pb.SessionRequest(), {}
         self._fall_back(lost, f"ended: {why}")
         if lost:
             # Why not a warning when cancelled: that is this process closing the stream (exit).
@@ -505,7 +497,7 @@ class Session:
         # client refuses.
         self._fall_back(list(self._waiters), "was closed")
         self._inbox.clear()
-        self._outbox, self._outbox_ids, self._groups, self._sent = pb.SessionRequest(), [], {}, set()
+        self._outbox, self._groups, self._sent = pb.SessionRequest(), {}, set()
         call, self._call = self._call, None
         if self._has_work is not None:
             self._has_work.set()  # ends the writer
@@ -528,6 +520,11 @@ class Session:
             # Why: a cancelled task's traceback refers back to this session and its call; drop
             # the references so nothing keeps the call (and its channel) alive until a GC pass.
             self._has_work = None
+
+
+def _ids(request: pb.SessionRequest) -> list[int]:
+    """Every operation id a request carries, group members included."""
+    return [op_id for op in request.ops for op_id in (op.id, *(member.id for member in op.also))]
 
 
 def _why(exc: BaseException) -> str:
