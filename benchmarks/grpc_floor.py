@@ -8,6 +8,7 @@ gRPC's (or, with ``--transport tcp``, the kernel's and Python's threads') share 
 
     python benchmarks/grpc_floor.py --processes 32 --threads 16 --barriers 300
     python benchmarks/grpc_floor.py --transport sync    # grpc's synchronous stream API
+    python benchmarks/grpc_floor.py --transport unary   # one blocking unary call per process
     python benchmarks/grpc_floor.py --transport tcp     # a plain socket, no gRPC
 
 Compare with gridcomm on the same machine: ``python benchmarks/rendezvous.py --ranks 512
@@ -41,22 +42,30 @@ def serve_grpc(processes: int, out: Any, stop: Any) -> None:
     async def main() -> None:
         state: dict[str, Any] = {"count": 0, "release": None}
 
+        def arrived() -> asyncio.Future[bytes]:
+            """Counts one process in; the future is done once all have arrived."""
+            if state["release"] is None:
+                state["release"] = asyncio.get_running_loop().create_future()
+            release = state["release"]
+            state["count"] += 1
+            if state["count"] == processes:
+                state["count"], state["release"] = 0, None
+                release.set_result(b"go")
+            return release  # type: ignore[no-any-return]
+
         async def stream(_: Any, context: grpc.aio.ServicerContext) -> None:
             while True:
                 message = await context.read()
                 if message is grpc.aio.EOF:
                     return
-                if state["release"] is None:
-                    state["release"] = asyncio.get_running_loop().create_future()
-                release = state["release"]
-                state["count"] += 1
-                if state["count"] == processes:
-                    state["count"], state["release"] = 0, None
-                    release.set_result(b"go")
-                await context.write(await release)
+                await context.write(await arrived())
+
+        async def arrive(_: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            return await arrived()
 
         handler = grpc.method_handlers_generic_handler(
-            "floor.Floor", {"Barrier": grpc.stream_stream_rpc_method_handler(stream, _same, _same)})
+            "floor.Floor", {"Barrier": grpc.stream_stream_rpc_method_handler(stream, _same, _same),
+                            "Arrive": grpc.unary_unary_rpc_method_handler(arrive, _same, _same)})
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         server.add_generic_rpc_handlers((handler,))
         port = server.add_insecure_port("127.0.0.1:0")
@@ -127,6 +136,15 @@ def rank_process(transport: str, port: int, threads: int, barriers: int, ready: 
 
         def send() -> None:
             sock.sendall(b"a")
+    elif transport == "unary":
+        # The last thread of a process makes one blocking unary call for all of them and wakes
+        # them when it returns: no loop thread and no reader between the socket and the ranks.
+        arrive = grpc.insecure_channel(f"127.0.0.1:{port}").unary_unary(
+            "/floor.Floor/Arrive", request_serializer=_same, response_deserializer=_same)
+
+        def send() -> None:
+            arrive(b"a" * 40, timeout=60)
+            release_all()
     elif transport == "sync":
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
@@ -214,7 +232,7 @@ def main() -> int:
     ap.add_argument("--processes", type=int, default=32)
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--barriers", type=int, default=300)
-    ap.add_argument("--transport", choices=("aio", "sync", "tcp"), default="aio")
+    ap.add_argument("--transport", choices=("aio", "sync", "unary", "tcp"), default="aio")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     out, stop, ready, go = ctx.Queue(), ctx.Event(), ctx.Queue(), ctx.Event()
