@@ -176,14 +176,8 @@ class CoordinatorClient:
         self._session: _session.Session | None = None
         self._closed = False
         self._barrier_seq: dict[str, int] = {}
-        self._caller_key: tuple[str, int, int, int] | None = None
         #: Streaming calls in flight (cancelled by cancel_inflight on a failure).
         self._inflight: set[Any] = set()
-        #: This rank's identity, as the caller property builds it; the fast paths of get and
-        #: barrier read it directly, so it is rebuilt wherever the fields it holds change (here
-        #: and in join).
-        self._caller = pb.Caller()
-        self.caller  # noqa: B018 - builds _caller
         self._joined = False
         self._left = False
 
@@ -195,13 +189,21 @@ class CoordinatorClient:
 
     @property
     def caller(self) -> pb.Caller:
-        """This rank's identity on every request after join (rebuilt only when it changes)."""
-        key = (self.job_id, self.rank, self.incarnation, self.generation)
-        if self._caller_key != key:
-            self._caller_key = key
-            self._caller = pb.Caller(job_id=self.job_id, rank=self.rank, incarnation=self.incarnation,
-                                     generation=self.generation)
+        """This rank's identity on every request after join (the fast paths of get and barrier
+        read ``_caller`` itself)."""
         return self._caller
+
+    @property
+    def generation(self) -> int:
+        """The job generation this rank joined (0 before join)."""
+        return self._generation
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        # Why here: the identity message is made once per change of the one field of it that
+        # changes (job id, rank and incarnation are fixed at construction), not per request.
+        self._generation = value
+        self._caller = pb.Caller(job_id=self.job_id, rank=self.rank, incarnation=self.incarnation, generation=value)
 
     @property
     def _stub(self) -> pb_grpc.CoordinatorStub:
@@ -340,7 +342,6 @@ class CoordinatorClient:
             first_contact=True,
         )
         self.generation = response.generation
-        self.caller  # noqa: B018 - rebuilds _caller for the new generation
         self.heartbeat_timeout_s = response.heartbeat_timeout_s or self.heartbeat_timeout_s
         self._joined = True
         return self.generation

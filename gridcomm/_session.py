@@ -80,10 +80,9 @@ class Deferred(tuple):  # type: ignore[type-arg]
 
     __slots__ = ()
 
-    message = property(operator.itemgetter(0))
+    #: What the loop reads of a group member (build() unpacks the rest).
     caller = property(operator.itemgetter(1))
     wait_s = property(operator.itemgetter(2))
-    fields = property(operator.itemgetter(3))
 
     def build(self) -> Any:
         message, caller, wait_s, fields = self

@@ -270,15 +270,18 @@ def test_join_set_get_and_20_barriers_of_8_ranks(coordinator_factory, mode):
     assert not server.state.failed
 
 
+def per_call(via: str, timeout_s: float) -> dict[str, float]:
+    """A get's or barrier's keyword arguments: its own timeout (``via`` "call"), or none, so that
+    it takes the client's (``via`` "client": the path that sends its first slice straight to the
+    stream)."""
+    return {"timeout_s": timeout_s} if via == "call" else {}
+
+
 def error_outcomes(mode: str, factory: Callable[..., gridcomm.Coordinator], via: str = "call") -> dict[str, Any]:
     """Every failure a client can see, in one mode; each on a coordinator of its own. ``via``:
     whether get and barrier are given their timeout per call, or take the client's (the path
     that sends a get's or barrier's first slice straight to the stream)."""
     out: dict[str, Any] = {}
-
-    def timed(timeout_s: float) -> dict[str, Any]:
-        """The clients' keyword arguments and the calls' (one of them names the timeout)."""
-        return {"timeout_s": timeout_s} if via == "call" else {}
 
     def made(port: int, world: int, timeout_s: float, **kwargs: Any) -> Any:
         if via == "client":
@@ -289,8 +292,8 @@ def error_outcomes(mode: str, factory: Callable[..., gridcomm.Coordinator], via:
     with made(server.port, 4, 1.0) as ranks:
         on_threads(lambda c: c.join(timeout_s=WAIT_S), ranks)
         # Rank 3 joined but never comes to the barrier.
-        out["barrier timeout"] = on_threads(lambda c: outcome(lambda: c.barrier("stuck", **timed(1.0))), ranks[:3])
-        out["get timeout"] = outcome(lambda: ranks[0].get("never-set", **timed(1.0)))
+        out["barrier timeout"] = on_threads(lambda c: outcome(lambda: c.barrier("stuck", **per_call(via, 1.0))), ranks[:3])
+        out["get timeout"] = outcome(lambda: ranks[0].get("never-set", **per_call(via, 1.0)))
         out["bad key"] = outcome(lambda: ranks[0].set("", b"x"))
 
     server = factory(3)
@@ -310,12 +313,12 @@ def error_outcomes(mode: str, factory: Callable[..., gridcomm.Coordinator], via:
     with made(server.port, 3, 10.0) as ranks:
         on_threads(lambda c: c.join(timeout_s=WAIT_S), ranks)
         with ThreadPoolExecutor(2) as pool:
-            waiting = [pool.submit(outcome, functools.partial(c.barrier, "b", **timed(10.0))) for c in ranks[::2]]
+            waiting = [pool.submit(outcome, functools.partial(c.barrier, "b", **per_call(via, 10.0))) for c in ranks[::2]]
             wait_for(lambda: arrived(server.port, "b") == [0, 2], "ranks 0 and 2 waiting at barrier 'b'")
             ranks[1].report_failure("CUDA error: an illegal memory access")
             out["rank failed while waiting"] = [f.result(timeout=5.0) for f in waiting]
-        out["barrier after failure"] = outcome(lambda: ranks[0].barrier("next", **timed(5.0)))
-        out["get after failure"] = outcome(lambda: ranks[2].get("never-set", **timed(5.0)))
+        out["barrier after failure"] = outcome(lambda: ranks[0].barrier("next", **per_call(via, 5.0)))
+        out["get after failure"] = outcome(lambda: ranks[2].get("never-set", **per_call(via, 5.0)))
     return out
 
 
@@ -647,17 +650,16 @@ def test_a_coordinator_without_session_is_served_by_unary_calls(mode, via):
         assert {"process": counter.calls["Session"] >= 1, "client": counter.calls["Session"] >= world,
                 "off": counter.calls["Session"] == 0}[mode], counter.calls
         ranks[0].set("k", b"v")
-        timed: Callable[[float], dict[str, float]] = lambda t: {"timeout_s": t} if via == "call" else {}  # noqa: E731
         if via == "client":
             for c in ranks:
                 c.timeout_s = 5.0
-        assert on_threads(lambda c: c.get("k", **timed(5.0)), ranks) == [b"v"] * world
+        assert on_threads(lambda c: c.get("k", **per_call(via, 5.0)), ranks) == [b"v"] * world
         for _ in range(5):
-            on_threads(lambda c: c.barrier("b", **timed(5.0)), ranks)
+            on_threads(lambda c: c.barrier("b", **per_call(via, 5.0)), ranks)
         if via == "client":
             for c in ranks:
                 c.timeout_s = 0.5
-        assert [o[:3] for o in on_threads(lambda c: outcome(lambda: c.barrier("late", **timed(0.5))), ranks[:2])] \
+        assert [o[:3] for o in on_threads(lambda c: outcome(lambda: c.barrier("late", **per_call(via, 0.5))), ranks[:2])] \
             == [("RendezvousTimeout", [2], None)] * 2
         on_threads(lambda c: c.leave(), ranks)
         assert server.wait_all_left(5.0)
@@ -749,7 +751,7 @@ def test_a_stream_cut_mid_wait_is_repeated_as_a_unary_call(coordinator_factory, 
     with proxied_pair(coordinator_factory, mode) as (server, proxy, near, far), ThreadPoolExecutor(1) as pool:
         assert proxy.accepted == 1  # near's stream (or unary channel) carried its join
         near.timeout_s = 15.0
-        waiting = pool.submit(outcome, lambda: near.barrier("x", **({"timeout_s": 15.0} if via == "call" else {})))
+        waiting = pool.submit(outcome, lambda: near.barrier("x", **per_call(via, 15.0)))
         wait_for(lambda: arrived(server.port, "x") == [0], "rank 0 waiting at barrier 'x'")
         proxy.cut()
         # near dials again (its repeated call, or the unary channel's retry) and is still waiting.
@@ -777,7 +779,7 @@ def test_a_stream_cut_late_in_a_wait_keeps_the_callers_deadline(coordinator_fact
         started = time.monotonic()
         cutter.start()
         try:
-            got = outcome(lambda: near.barrier("late", **({"timeout_s": timeout_s} if via == "call" else {})))
+            got = outcome(lambda: near.barrier("late", **per_call(via, timeout_s)))
         finally:
             cutter.cancel()
         elapsed = time.monotonic() - started
@@ -1108,6 +1110,22 @@ def test_a_hold_ends_once_every_client_of_the_stream_is_waiting(coordinator_fact
     finally:
         side.shutdown(wait=False)
         extra.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("via", ["call", "client"])
+def test_a_changed_generation_is_what_every_path_sends(coordinator_factory, via):
+    """A client whose generation changed (a rejoin it missed, here set by hand) sends the new
+    one on every path: the fast path of get and barrier (the client's timeout) reads the same
+    identity as the rest, so the coordinator refuses it by its generation either way."""
+    server = coordinator_factory(2)
+    with clients(server.port, 2, "process", timeout_s=2.0) as made:
+        on_threads(lambda c: c.join(), made)
+        made[1].generation += 1
+        for call in (lambda: made[1].barrier("b", **per_call(via, 2.0)), lambda: made[1].get("k", **per_call(via, 2.0))):
+            found = outcome(call)
+            assert found[0] != "no error" and "generation" in found[3], found
+        assert made[1].caller.generation == made[1].generation
 
 
 class _Interrupted(Exception):
