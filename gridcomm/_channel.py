@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from gridcomm import _config
-from gridcomm._server import MAX_MESSAGE_BYTES, SERVICE_NAME
+from gridcomm._server import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, SERVICE_NAME
 
 _SERVICE_CONFIG = json.dumps(
     {
@@ -38,7 +38,7 @@ def channel_options() -> list[tuple[str, Any]]:
         # over one channel failed here).
         ("grpc.use_local_subchannel_pool", 1),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
         # Why generous: liveness comes from heartbeats and connection loss, not keepalive; an
         # overloaded peer (thousands of ranks on few cores) must not be cut off for a slow ping ack.
         ("grpc.keepalive_time_ms", 30_000),

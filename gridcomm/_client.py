@@ -43,6 +43,10 @@ _T = TypeVar("_T")
 PROGRESS_INTERVAL_S = 10.0
 #: Transport slack added to a long-poll's gRPC deadline beyond the wait the server was asked for.
 _CALL_SLACK_S = 1.0
+#: A value up to this size travels on the Session stream; a larger one as unary calls (see set).
+_SESSION_VALUE_BYTES = 64 * 1024
+#: How often a value read in pieces may be found set again before get gives up.
+_REREADS = 8
 #: Bound on a short (non-waiting) call.
 SHORT_CALL_S = 10.0
 
@@ -351,8 +355,50 @@ class CoordinatorClient:
         _check_text("key", key)
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise ConfigError(f"value for key {key!r} must be bytes, not {type(value).__name__}.")
-        request = pb.SetRequest(caller=self.caller, key=key, value=bytes(value))
-        self._op("set", request, f"rank {self.rank}: set {key!r}", SHORT_CALL_S + len(value) / 50e6)
+        what = f"rank {self.rank}: set {key!r}"
+        if len(value) <= _SESSION_VALUE_BYTES:
+            self._op("set", pb.SetRequest(caller=self.caller, key=key, value=bytes(value)), what, SHORT_CALL_S)
+            return
+        # Why unary: a Session message carries several operations, and the coordinator reads no
+        # message larger than a chunk. A value larger than a chunk travels in pieces.
+        view = memoryview(value).cast("B")
+        total = len(view)
+        if total <= CHUNK_BYTES:
+            self._call(self._stub.Set, pb.SetRequest(caller=self.caller, key=key, value=bytes(view)), what,
+                       SHORT_CALL_S + total / 50e6)
+            return
+        for offset in range(0, total, CHUNK_BYTES):
+            piece = bytes(view[offset : offset + CHUNK_BYTES])
+            self._call(self._stub.Set, pb.SetRequest(caller=self.caller, key=key, value=piece, total_bytes=total,
+                                                     offset=offset), what, SHORT_CALL_S + len(piece) / 50e6)
+
+    def _whole(self, key: str, response: pb.GetResponse) -> bytes:
+        """The value a get answered: ``response.value``, or, for a value larger than one message
+        (``total_bytes`` set), that first piece and the rest read after it. A value set again
+        meanwhile is read again from its start (a bounded number of times)."""
+        what = f"rank {self.rank}: get {key!r}"
+        for _ in range(_REREADS):
+            parts, got = [response.value], len(response.value)
+            while got < response.total_bytes:
+                request = pb.GetRequest(caller=self.caller, key=key, offset=got, version=response.version)
+                try:
+                    piece = self._stub.Get(request, timeout=SHORT_CALL_S + CHUNK_BYTES / 50e6, metadata=self._metadata)
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.ABORTED:
+                        raise translate(exc, what, self.target) from exc
+                    break
+                parts.append(piece.value)
+                got += len(piece.value)
+                if not piece.value:
+                    break
+            else:
+                return b"".join(parts)
+            # Set again while it was read (or a piece came back empty): start over, without waiting.
+            response = self._call(self._stub.Get, pb.GetRequest(caller=self.caller, key=key), what, SHORT_CALL_S)
+            if not response.total_bytes:
+                return response.value  # type: ignore[no-any-return]
+        raise GridcommError(f"{what}: the value changed {_REREADS} times while it was being read; it is set too often "
+                            "to be read whole.")
 
     def get(self, key: str, timeout_s: float | None = None) -> bytes:
         """Returns the value under ``key``, waiting until some rank sets it or the deadline passes."""
@@ -366,20 +412,20 @@ class CoordinatorClient:
             request = _session.Deferred((pb.GetRequest, self._caller, wait_s, {"key": key}))
             started = time.monotonic()
             try:
-                return session.call("get", request, wait_s + _CALL_SLACK_S, ("get", key),  # type: ignore[no-any-return]
-                                    _session.HOLD_GET_S).value
+                response = session.call("get", request, wait_s + _CALL_SLACK_S, ("get", key), _session.HOLD_GET_S)
+                return response.value if not response.total_bytes else self._whole(key, response)  # type: ignore[no-any-return]
             except (_session.OpError, _session.StreamBroken) as exc:
                 failed = self._first_slice_failed("get", request, exc, started, lambda: f"rank {self.rank}: get {key!r}")
             if not isinstance(failed, RendezvousTimeout):
-                return failed.value  # type: ignore[no-any-return]
+                return self._whole(key, failed)
 
         def attempt(wait_s: float, call_s: float) -> pb.GetResponse:
             request = _session.Deferred((pb.GetRequest, self.caller, wait_s, {"key": key}))
             return self._op("get", request, f"rank {self.rank}: get {key!r}", call_s, group=("get", key),
                             hold=_session.HOLD_GET_S)
 
-        return self._long_poll(f"rank {self.rank}: get {key!r}", timeout_s, attempt,
-                               lambda missing: f"still waiting for key {key!r}", failed=failed).value
+        return self._whole(key, self._long_poll(f"rank {self.rank}: get {key!r}", timeout_s, attempt,
+                                                lambda missing: f"still waiting for key {key!r}", failed=failed))
 
     def barrier(self, name: str = "barrier", timeout_s: float | None = None, *,
                 participants: Sequence[int] = ()) -> None:

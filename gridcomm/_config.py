@@ -60,11 +60,17 @@ def parse_duration(name: str, value: object, *, allow_zero: bool = False) -> flo
     return parsed
 
 
+#: The most ranks one coordinator is started for. Why a bound: a world size comes from the
+#: command line or the environment, and ``gridcomm serve --world-size 1000000000`` died on a
+#: MemoryError; 2**20 is 64 times the largest job measured (16,384 ranks).
+MAX_WORLD_SIZE = 1 << 20
+
+
 def world_size(explicit: int | None = None, environ: Mapping[str, str] | None = None) -> int:
     """The number of ranks: argument, GRIDCOMM_WORLD_SIZE, WORLD_SIZE (torchrun, Kubeflow PET_NNODES
     is not a rank count and is ignored)."""
     if explicit is not None:
-        return _check_int("world_size", explicit, minimum=1)
+        return _check_int("world_size", explicit, minimum=1, maximum=MAX_WORLD_SIZE)
     env = _env(environ)
     found = _first(env, ("GRIDCOMM_WORLD_SIZE", "WORLD_SIZE"))
     if found is None:
@@ -72,7 +78,7 @@ def world_size(explicit: int | None = None, environ: Mapping[str, str] | None = 
             "the world size is not known: pass n_devices/world_size, or set GRIDCOMM_WORLD_SIZE "
             "(WORLD_SIZE from torchrun also works)."
         )
-    return _parse_int(found[0], found[1], minimum=1)
+    return _parse_int(found[0], found[1], minimum=1, maximum=MAX_WORLD_SIZE)
 
 
 def rank(explicit: int | None, size: int, environ: Mapping[str, str] | None = None) -> int:

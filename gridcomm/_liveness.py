@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from gridcomm import _config
 from gridcomm._channel import make_aio_channel
@@ -27,6 +27,7 @@ from gridcomm._errors import CoordinatorLost, CoordinatorUnavailable, GridcommEr
 from gridcomm._eventloop import current as _current_loop
 from gridcomm._eventloop import loop as _runtime
 from gridcomm._eventloop import run_soon, submit
+from gridcomm._guard import BoundedHealth, GuardedServer, health_server_options
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._server import SERVICE_NAME
@@ -144,13 +145,12 @@ class RankHealth:
 
     def start(self) -> RankHealth:
         async def begin() -> int:
-            server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-            self._health = health.aio.HealthServicer()
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-            port = server.add_insecure_port(_config.format_target(self._bind, self._port))
+            self._health = BoundedHealth()
+            server = GuardedServer("rank health", _config.format_target(self._bind, self._port),
+                                   health_server_options(), self._health.register)
+            port = await server.start()
             if port == 0:
                 raise CoordinatorUnavailable(f"the health port {self._bind}:{self._port} cannot be bound; is it in use?")
-            await server.start()
             await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
             await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
             self._server = server

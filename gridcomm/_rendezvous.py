@@ -82,6 +82,15 @@ class _Barrier:
     waiting_since: float | None = None
 
 
+@dataclasses.dataclass
+class _Pieces:
+    """A value arriving in pieces: its announced size, the bytes so far, the last piece's offset."""
+
+    total: int
+    data: bytearray = dataclasses.field(default_factory=bytearray)
+    last: int = -1
+
+
 @dataclasses.dataclass(frozen=True)
 class Limits:
     max_key_bytes: int = 1024
@@ -114,6 +123,14 @@ class JobState:
         self._failed: dict[int, Failure] = {}
         self.kv: dict[str, bytes] = {}
         self._kv_bytes = 0
+        #: Each key's version: the count of sets when it was last set (a reader of a value in
+        #: pieces names it, so a value set again midway is not read torn).
+        self._versions: dict[str, int] = {}
+        self._sets = 0
+        #: Values arriving in pieces, by (rank, key): the announced size and what came so far.
+        #: Their announced sizes count towards max_total_value_bytes from the first piece on.
+        self._pieces: dict[tuple[int, str], _Pieces] = {}
+        self._pieces_bytes = 0
         self.barriers: dict[str, _Barrier] = {}
         self.mailbox = Mailbox(self.limits.max_mailbox_bytes)
         self.left_count = 0
@@ -188,6 +205,15 @@ class JobState:
             self._check_rank(rank, what)
         member = self.members.get(rank)
         if member is None:
+            if generation:
+                # Why: only a coordinator that never saw the rendezvous this rank completed gets
+                # here, i.e. one restarted since (its state is gone) or another job's.
+                raise StateError(
+                    FAILED_PRECONDITION,
+                    f"rank {rank} called {what} for generation {generation}, but this coordinator has no record of "
+                    f"rank {rank}: it was restarted (or replaced) after the rendezvous and lost the job's state; "
+                    "restart every rank of the job.",
+                )
             raise StateError(FAILED_PRECONDITION, f"rank {rank} called {what} before joining; call join() first.")
         if member.incarnation != incarnation:
             raise StateError(
@@ -229,22 +255,77 @@ class JobState:
 
     def set(self, key: str, value: bytes) -> None:
         self._check_key(key)
-        if len(value) > self.limits.max_value_bytes:
-            raise StateError(
-                RESOURCE_EXHAUSTED,
-                f"value for key {quote(key)} is {len(value)} bytes; the limit is {self.limits.max_value_bytes}.",
-            )
+        self._check_value_size(key, len(value))
         old = self.kv.get(key)
         grow = len(value) - (len(old) if old is not None else 0)
         if old is None and len(self.kv) >= self.limits.max_keys:
             raise StateError(RESOURCE_EXHAUSTED, f"the store holds {len(self.kv)} keys, its limit; key {quote(key)} was not set.")
-        if self._kv_bytes + grow > self.limits.max_total_value_bytes:
+        self._check_room(key, grow)
+        self.kv[key] = value
+        self._kv_bytes += grow
+        self._sets += 1
+        self._versions[key] = self._sets
+
+    def _check_value_size(self, key: str, size: int) -> None:
+        if size > self.limits.max_value_bytes:
+            raise StateError(
+                RESOURCE_EXHAUSTED,
+                f"value for key {quote(key)} is {size} bytes; the limit is {self.limits.max_value_bytes}.",
+            )
+
+    def _check_room(self, key: str, grow: int) -> None:
+        if self._kv_bytes + self._pieces_bytes + grow > self.limits.max_total_value_bytes:
             raise StateError(
                 RESOURCE_EXHAUSTED,
                 f"the store would hold more than {self.limits.max_total_value_bytes} bytes; key {quote(key)} was not set.",
             )
-        self.kv[key] = value
-        self._kv_bytes += grow
+
+    def set_piece(self, rank: int, key: str, offset: int, total: int, data: bytes) -> bool:
+        """One piece of a value that travels in several (see SetRequest); returns True when it
+        was the last and the key now holds the whole value."""
+        self._check_key(key)
+        self._check_value_size(key, total)
+        pending = self._pieces.get((rank, key))
+        if offset == 0:
+            # Why a first piece restarts: the sender began again (its earlier attempt broke off).
+            self._drop_piece(rank, key)
+            self._check_room(key, total)
+            pending = self._pieces[(rank, key)] = _Pieces(total)
+            self._pieces_bytes += total
+        elif pending is None or pending.total != total or offset != len(pending.data):
+            if pending is not None and offset == pending.last and offset + len(data) == len(pending.data):
+                return False  # the same piece again (a call repeated after a broken stream)
+            got = "no earlier piece" if pending is None else f"{len(pending.data)} of {pending.total} bytes"
+            self._drop_piece(rank, key)
+            raise StateError(
+                INVALID_ARGUMENT,
+                f"a piece of key {quote(key)} at offset {offset} (of {total} bytes) does not follow what rank {rank} "
+                f"sent before ({got}); send the value again from offset 0.",
+            )
+        if offset + len(data) > total:
+            self._drop_piece(rank, key)
+            raise StateError(INVALID_ARGUMENT, f"a piece of key {quote(key)} ends at {offset + len(data)}, past the "
+                             f"announced {total} bytes.")
+        pending.last = offset
+        pending.data += data
+        if len(pending.data) < total:
+            return False
+        self._drop_piece(rank, key)
+        self.set(key, bytes(pending.data))
+        return True
+
+    def _drop_piece(self, rank: int, key: str) -> None:
+        pending = self._pieces.pop((rank, key), None)
+        if pending is not None:
+            self._pieces_bytes -= pending.total
+
+    def _drop_pieces(self, rank: int) -> None:
+        """A rank that left or failed will not finish its values in pieces."""
+        for rank_key in [k for k in self._pieces if k[0] == rank]:
+            self._drop_piece(*rank_key)
+
+    def version(self, key: str) -> int:
+        return self._versions.get(key, 0)
 
     def get(self, key: str) -> bytes | None:
         self._check_key(key)
@@ -350,6 +431,8 @@ class JobState:
             member.state = MemberState.LEFT
             member.last_seen = now
             self.left_count += 1
+        if self._pieces:
+            self._drop_pieces(rank)
 
     def all_left(self) -> bool:
         """True when every rank has left or failed (rank 0 may stop serving)."""
@@ -365,6 +448,8 @@ class JobState:
             return None
         failure = Failure(rank, reason[:2048], now, reported_by)
         self._failed[rank] = failure
+        if self._pieces:
+            self._drop_pieces(rank)
         self.failures.append(failure)
         if member is not None:
             member.state = MemberState.FAILED

@@ -17,10 +17,11 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from gridcomm import _config
 from gridcomm._errors import ConfigError, CoordinatorUnavailable
+from gridcomm._guard import MAX_METADATA_BYTES, BoundedHealth, GuardedServer, health_server_options
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._rendezvous import JobState, Limits, Member, MemberState, StateError, quote
@@ -36,26 +37,52 @@ SESSION_FEATURES = "group"
 #: Margin kept between the server's answer and the caller's gRPC deadline, so a timed-out wait
 #: reaches the caller as our structured answer rather than as the transport's DEADLINE_EXCEEDED.
 _ANSWER_MARGIN_S = 0.25
-#: Largest message accepted or sent: a full 64 MiB value plus framing.
+#: Host-backend messages, and a key's value larger than this, travel in pieces of this size.
+CHUNK_BYTES = 1024 * 1024
+#: Largest request message the coordinator reads: a chunk plus framing. Why not more: health
+#: requests need no token and are read whole, so this bounds what each of them can make it hold.
+MAX_REQUEST_BYTES = CHUNK_BYTES + 64 * 1024
+#: Largest message sent (the coordinator's answers; a Session reply batches several).
 MAX_MESSAGE_BYTES = 80 * 1024 * 1024
 #: Longest status message sent (characters); see _details.
 MAX_DETAILS = 400
-#: Host-backend messages travel in pieces of this size.
-CHUNK_BYTES = 4 * 1024 * 1024
+#: Concurrent calls one connection may have open. A rank needs a few (its Session stream, a
+#: long poll, a transfer); ranks sharing a process carry their calls on one Session stream.
+MAX_STREAMS_PER_CONNECTION = 256
 
 _T = TypeVar("_T")
 
 
-def server_options() -> list[tuple[str, Any]]:
+def max_connections(world_size: int) -> int:
+    """Connections the coordinator accepts at once: a few per rank (its calls, its watcher, a
+    probe) and room for operators' tools; past it new connections are closed at once."""
+    return 4 * world_size + 1024
+
+
+def server_options(world_size: int) -> list[tuple[str, Any]]:
     """gRPC server options, set explicitly: a long-poll server CANCELs calls past ~1,000 parked
-    waiters with the defaults, and a second server on the same port must fail, not share it."""
+    waiters with the defaults, a second server on the same port must fail, not share it, and
+    what a caller without the token can make the server hold is bounded."""
     return [
         ("grpc.so_reuseport", 0),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.server.max_pending_requests", 1 << 20),
         ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
-        ("grpc.max_concurrent_streams", 1 << 16),
+        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+        ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+        ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
+        ("grpc.max_allowed_incoming_connections", max_connections(world_size)),
+        # A connection that has not finished its HTTP/2 (or TLS) handshake is closed after 10 s,
+        # and one with no call open for 5 minutes is asked to go (a client reconnects on its next call).
+        ("grpc.server_handshake_timeout_ms", 10_000),
+        ("grpc.max_connection_idle_ms", 300_000),
+        # Why no BDP probing, and a fixed 1 MiB window per stream (one chunk in flight): BDP
+        # probing widens every stream's flow-control window, which is what a call refused before
+        # its body was read can still make the server buffer (12 unauthenticated 79 MiB Sets:
+        # +24-35 MB with it on 2 cores, +103 MB on 16; +1-5 MB without).
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", CHUNK_BYTES),
         # Why generous: liveness comes from heartbeats and connection loss, not keepalive; an
         # overloaded peer (thousands of ranks on few cores) must not be cut off for a slow ping ack.
         ("grpc.keepalive_time_ms", 30_000),
@@ -84,21 +111,51 @@ def _parser(message_type: Any) -> Callable[[bytes], Any]:
     return parse
 
 
-def _register(servicer: Any, server: grpc.aio.Server) -> None:
-    """Registers the Coordinator service like the generated helper, but with deserializers that
-    turn an undecodable body into a sentinel the handlers refuse with INVALID_ARGUMENT (gRPC's
-    own answer would be UNKNOWN)."""
+def _reading_after_auth(servicer: _Servicer, name: str, method: Callable[..., Any], client_streaming: bool,
+                        server_streaming: bool) -> Callable[..., Any]:
+    """Wraps one RPC so that the token is checked on the call's headers, before any request
+    message is read. Why: gRPC reads and parses a unary request whole before its handler runs,
+    so without a token 12 concurrent 79 MiB Sets took a coordinator to +2.3 GB before each was
+    refused. Every method is registered with a streaming request (the same bytes on the wire as
+    a unary call), so a refused caller's body stays in the transport's flow-control window."""
+
+    if client_streaming:
+        if server_streaming:
+            async def stream_stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+                await servicer._admit(context, name)
+                await method(request_iterator, context)
+            return stream_stream
+
+        async def stream_unary(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+            await servicer._admit(context, name)
+            return await method(request_iterator, context)
+        return stream_unary
+
+    if server_streaming:
+        async def unary_stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+            request = await servicer._admit_and_read(context, name)
+            async for reply in method(request, context):
+                yield reply
+        return unary_stream
+
+    async def unary_unary(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await method(await servicer._admit_and_read(context, name), context)
+    return unary_unary
+
+
+def _register(servicer: _Servicer, server: grpc.aio.Server) -> None:
+    """Registers the Coordinator service like the generated helper, but (1) every method takes a
+    streaming request and checks the token before reading it (see _reading_after_auth), and (2)
+    the deserializers turn an undecodable body into a sentinel the handlers refuse with
+    INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN)."""
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["Coordinator"].methods:
         request_type = getattr(pb, method.input_type.name)
         response_type = getattr(pb, method.output_type.name)
-        make = {
-            (False, False): grpc.unary_unary_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler,
-        }[(method.client_streaming, method.server_streaming)]
-        handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=_parser(request_type),
+        make = grpc.stream_stream_rpc_method_handler if method.server_streaming else grpc.stream_unary_rpc_method_handler
+        handle = _reading_after_auth(servicer, method.name, getattr(servicer, method.name), method.client_streaming,
+                                     method.server_streaming)
+        handlers[method.name] = make(handle, request_deserializer=_parser(request_type),
                                      response_serializer=response_type.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
@@ -154,14 +211,13 @@ async def _refuse(context: grpc.aio.ServicerContext, name: str, exc: Exception) 
 
 
 def _handler(method: Callable[..., Awaitable[_T]]) -> Callable[..., Awaitable[_T]]:
-    """Wraps a servicer method: checks the token, maps refusals to statuses, never lets an
-    exception escape to crash or confuse the server."""
+    """Wraps a servicer method: maps refusals to statuses, never lets an exception escape to
+    crash or confuse the server (the token was checked before the request was read)."""
 
     name = method.__name__
 
     async def wrapped(self: _Servicer, request: Any, context: grpc.aio.ServicerContext) -> _T:
         try:
-            self._authenticate(context, name)
             if request is _UNDECODABLE:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                              f"the {name} request body is not a valid gridcomm.v1 message of its type.")
@@ -174,6 +230,46 @@ def _handler(method: Callable[..., Awaitable[_T]]) -> Callable[..., Awaitable[_T
     wrapped.__doc__ = method.__doc__
     wrapped.__wrapped__ = method  # type: ignore[attr-defined]  # what a Session operation runs
     return wrapped
+
+
+class _RefusalLog:
+    """Logs refused calls at a bounded rate: the first of each interval as it comes, the rest as
+    one count when the interval ends. Why: one client without the token made ~3,000 log lines a
+    second, a disk and a log pipeline an unauthenticated caller could fill."""
+
+    INTERVAL_S = 10.0
+
+    def __init__(self) -> None:
+        self._until = 0.0
+        self._count = 0
+        self._peers: set[str] = set()
+        #: Refused calls since start (what an operator's metrics would read).
+        self.total = 0
+
+    def note(self, method: str, peer: str, how: str) -> None:
+        self.total += 1
+        now = time.monotonic()
+        if now >= self._until:
+            self._flush()
+            self._until = now + self.INTERVAL_S
+            log.warning("coordinator: refused %s from %s: %s token (further refusals in the next %g s are counted, "
+                        "not logged one by one)", method, peer, how, self.INTERVAL_S)
+            try:
+                asyncio.get_running_loop().call_later(self.INTERVAL_S, self._flush)
+            except RuntimeError:
+                pass  # no loop (a unit test): the next refusal flushes
+            return
+        self._count += 1
+        if len(self._peers) < 8:
+            self._peers.add(peer)
+
+    def _flush(self) -> None:
+        if self._count:
+            log.warning("coordinator: refused %d more calls without a valid token in the last %g s (from %s%s)",
+                        self._count, self.INTERVAL_S, ", ".join(sorted(self._peers)),
+                        ", ..." if len(self._peers) >= 8 else "")
+        self._count = 0
+        self._peers = set()
 
 
 @dataclasses.dataclass
@@ -196,9 +292,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         self._loop = asyncio.get_running_loop()
         self._waiters: dict[tuple[Any, ...], list[asyncio.Future[None]]] = {}
         self._token = owner._token.encode() if owner._token is not None else None
-        self._auth_failures = 0
-        self._mailbox: dict[tuple[str, int], bytes] = {}
-        self._mailbox_bytes = 0
+        self._refusals = _RefusalLog()
         #: Session operations that came as members of a group (SessionOp.also), since start.
         self.grouped = 0
 
@@ -216,16 +310,27 @@ class _Servicer(pb_grpc.CoordinatorServicer):
                 break
         expected = b"Bearer " + self._token
         if not hmac.compare_digest(supplied, expected):
-            self._auth_failures += 1
-            log.warning(
-                "coordinator: refused %s from %s: %s token", method, context.peer(),
-                "missing" if not supplied else "wrong",
-            )
+            self._refusals.note(method, context.peer(), "missing" if not supplied else "wrong")
             raise _Abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"{method} refused: the {'token is missing' if not supplied else 'token is wrong'}; "
                 "set the same GRIDCOMM_TOKEN (or GRIDCOMM_TOKEN_FILE) on every rank and the coordinator.",
             )
+
+    async def _admit(self, context: grpc.aio.ServicerContext, name: str) -> None:
+        """Checks the call's token on its headers; a refused call is answered (and this raises)."""
+        try:
+            self._authenticate(context, name)
+        except Exception as exc:  # noqa: BLE001 - refused with a status, never a crash
+            await _refuse(context, name, exc)
+
+    async def _admit_and_read(self, context: grpc.aio.ServicerContext, name: str) -> Any:
+        """The token check, then the call's one request message."""
+        await self._admit(context, name)
+        request = await context.read()
+        if request is grpc.aio.EOF:
+            await _refuse(context, name, _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"the {name} call carried no request."))
+        return request
 
     def _wake(self, key: tuple[Any, ...]) -> None:
         for fut in self._waiters.pop(key, ()):
@@ -372,9 +477,14 @@ class _Servicer(pb_grpc.CoordinatorServicer):
 
     @_handler
     async def Set(self, request: pb.SetRequest, context: grpc.aio.ServicerContext) -> pb.SetResponse:
-        self._caller(request.caller, "set")
-        self._state.check_not_failed("set")
-        self._state.set(request.key, request.value)
+        member = self._caller(request.caller, "set")
+        state = self._state
+        state.check_not_failed("set")
+        if request.total_bytes:
+            if not state.set_piece(member.rank, request.key, request.offset, request.total_bytes, request.value):
+                return pb.SetResponse()
+        else:
+            state.set(request.key, request.value)
         self._wake(("kv", request.key))
         return pb.SetResponse()
 
@@ -389,12 +499,29 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         key = request.key
         value = state.get(key)  # validates the key
         if value is not None:
-            return pb.GetResponse(value=value)
+            return self._value_response(key, value, request)
+        if request.offset:
+            raise _Abort(grpc.StatusCode.ABORTED, f"key {quote(key)} is no longer set; read it again from offset 0.")
         return _Parked(
             members, ("kv", key), lambda: key in state.kv, f"get of {quote(key)}",
-            lambda: pb.GetResponse(value=state.kv[key]),
+            lambda: self._value_response(key, state.kv[key], request),
             lambda: _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"key {quote(key)} was not set within {request.wait_s:.1f} s"),
         )
+
+    def _value_response(self, key: str, value: bytes, request: pb.GetRequest) -> pb.GetResponse:
+        """A value, or its piece from request.offset when it is larger than one message."""
+        offset = request.offset
+        if not offset and len(value) <= CHUNK_BYTES:
+            return pb.GetResponse(value=value)
+        version = self._state.version(key)
+        if offset:
+            if request.version != version:
+                raise _Abort(grpc.StatusCode.ABORTED,
+                             f"key {quote(key)} was set again while it was read in pieces; read it again from offset 0.")
+            if offset >= len(value):
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"offset {offset} is past the end of key {quote(key)} ({len(value)} bytes).")
+        return pb.GetResponse(value=value[offset : offset + CHUNK_BYTES], total_bytes=len(value), version=version)
 
     @_handler
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> pb.GetResponse:
@@ -542,7 +669,6 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         reserved = 0
         mailbox = self._state.mailbox
         try:
-            self._authenticate(context, "Put")
             first = await context.read()
             if first is grpc.aio.EOF:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "Put carried no chunk.")
@@ -590,7 +716,6 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         """Waits for a message and streams it back in chunks."""
         mailbox = self._state.mailbox
         try:
-            self._authenticate(context, "Take")
             if request is _UNDECODABLE:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "the Take request body is not a valid gridcomm.v1.TakeRequest.")
             member = self._caller(request.caller, "take")
@@ -621,10 +746,6 @@ class _Servicer(pb_grpc.CoordinatorServicer):
 
     async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         """Batched operations on one stream; each answers as its unary RPC would (see the proto)."""
-        try:
-            self._authenticate(context, "Session")
-        except Exception as exc:  # noqa: BLE001 - refused with a status, never a crash
-            await _refuse(context, "Session", exc)
         await context.send_initial_metadata(((SESSION_FEATURES_KEY, SESSION_FEATURES),))
         await _ServerSession(self, context).serve()
 
@@ -994,7 +1115,10 @@ class Coordinator:
         self._closing = False
         self._servicer: _Servicer | None = None
         self._health: Any = None
-        self.serving = False
+        self._main: GuardedServer | None = None
+        self._health_server: GuardedServer | None = None
+        #: False once a rank failed (or the coordinator stops): health says NOT_SERVING.
+        self._job_ok = False
         self._stopped = threading.Event()
         self.tls = tls
         if tls is not None and (tls.cert is None or tls.key is None):
@@ -1057,46 +1181,42 @@ class Coordinator:
 
     async def _serve(self) -> None:
         self._stop_requested = asyncio.Event()
-        server = grpc.aio.server(options=server_options(), maximum_concurrent_rpcs=None)
         self._servicer = _Servicer(self)
-        _register(self._servicer, server)
-        self._health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        self._health = BoundedHealth()
+        servicer, health_servicer = self._servicer, self._health
+
+        def register(server: grpc.aio.Server) -> None:
+            _register(servicer, server)
+            health_servicer.register(server)
+
         target = _config.format_target(self.bind, self._requested_port)
-        health_server = None
-        try:
-            if self.tls is not None:
-                assert self.tls.cert is not None and self.tls.key is not None
-                credentials = grpc.ssl_server_credentials(
-                    [(self.tls.key, self.tls.cert)], root_certificates=self.tls.ca,
-                    require_client_auth=self.tls.require_client_cert)
-                port = server.add_secure_port(target, credentials)
-            else:
-                port = server.add_insecure_port(target)
-        except RuntimeError as exc:
-            raise CoordinatorUnavailable(
-                f"the coordinator cannot listen on {target}: {exc}; is the port in use? choose another "
-                "with GRIDCOMM_PORT or port=0."
-            ) from exc
+        credentials = None
+        if self.tls is not None:
+            assert self.tls.cert is not None and self.tls.key is not None
+            credentials = grpc.ssl_server_credentials(
+                [(self.tls.key, self.tls.cert)], root_certificates=self.tls.ca,
+                require_client_auth=self.tls.require_client_cert)
+        self._main = GuardedServer("coordinator", target, server_options(self.world_size), register,
+                                   credentials=credentials, on_accepting=self._accepting_changed)
+        port = await self._main.start()
         if port == 0:
             raise CoordinatorUnavailable(
                 f"the coordinator cannot listen on {target}; is the port in use? choose another with "
                 "GRIDCOMM_PORT or port=0."
             )
         self._port = port
+        health_server = None
         if self._health_port_requested is not None:
-            health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, health_server)
             health_target = _config.format_target(self.bind, self._health_port_requested)
-            try:
-                self.health_port = health_server.add_insecure_port(health_target)
-            except RuntimeError:
-                self.health_port = 0
+            health_server = GuardedServer("coordinator health", health_target, health_server_options(),
+                                          health_servicer.register)
+            self.health_port = await health_server.start()
             if not self.health_port:
+                await self._main.stop(0)
                 raise CoordinatorUnavailable(f"the health port {health_target} cannot be bound; is it in use?")
-            await health_server.start()
-        await server.start()
-        await self._set_serving_async(True)
+        self._health_server = health_server
+        self._job_ok = True
+        await self._publish_health()
         liveness = asyncio.ensure_future(self._servicer.watch_liveness())
         log.info("coordinator: serving job %r for %d ranks on %s", self.job_id, self.world_size, target)
         self._ready.set()
@@ -1105,21 +1225,33 @@ class Coordinator:
         finally:
             self._closing = True
             liveness.cancel()
-            await self._set_serving_async(False)
+            self._job_ok = False
+            await self._publish_health()
             self._servicer.wake_all()
-            await server.stop(0.5)
+            await self._main.stop(0.5)
             if health_server is not None:
                 await health_server.stop(0.2)
 
-    async def _set_serving_async(self, serving: bool) -> None:
-        self.serving = serving
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    @property
+    def serving(self) -> bool:
+        """True while the coordinator accepts calls and no rank has failed: what health says."""
+        main = self._main
+        return self._job_ok and main is not None and main.accepting
+
+    async def _publish_health(self) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if self.serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", SERVICE_NAME):
             await self._health.set(service, status)
 
+    def _accepting_changed(self, accepting: bool) -> None:
+        """The watchdog found the main server dead (or bound it again): the plaintext health port
+        must not say SERVING for a port that refuses connections."""
+        asyncio.ensure_future(self._publish_health())
+
     def _set_serving(self, serving: bool) -> None:
-        """Called on the loop thread."""
-        asyncio.ensure_future(self._set_serving_async(serving))
+        """Called on the loop thread (after a failure)."""
+        self._job_ok = serving
+        asyncio.ensure_future(self._publish_health())
 
     def wait_all_left(self, timeout_s: float) -> bool:
         """Waits until every rank has left (or failed); returns False at the timeout."""

@@ -243,3 +243,83 @@ def test_failure_report_reaches_waiters_and_turns_status(coordinator_factory):
     assert errors[0].rank == 1 and "out of memory" in str(errors[0])
     status = gridcomm._client.fetch_status("127.0.0.1", server.port)
     assert not status.serving and status.failures[0].rank == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_value_larger_than_a_message_travels_in_pieces(coordinator_factory):
+    """60 MiB (more than any one message the coordinator reads) set by rank 0's process and read
+    whole by rank 1's; then set again while rank 1 reads, which must see one value or the other."""
+    server = coordinator_factory(2)
+    code = RANK_CLIENT + """
+import hashlib
+client.join()
+big = hashlib.sha256(b"seed").digest() * (60 * 32768)   # 60 MiB, not one repeated byte
+other = bytes(reversed(big))
+if rank == 0:
+    client.set("big", big)
+    client.barrier("read")
+    for _ in range(5):
+        client.set("big", other)
+        client.set("big", big)
+else:
+    got = client.get("big")
+    assert got == big, (len(got), got[:16])
+    client.barrier("read")
+    for _ in range(5):
+        assert client.get("big") in (big, other)
+client.barrier("done")
+print("ok", rank)
+"""
+    results = RankProcesses(code, 2, env={"PORT": str(server.port)}).wait(100)
+    assert_all_ok(results)
+    assert all(f"ok {r}" in results[r].stdout for r in range(2)), report(results)
+
+
+@pytest.mark.timeout(60)
+def test_value_pieces_out_of_order_are_refused_and_nothing_is_stored(coordinator_factory):
+    import grpc
+
+    from gridcomm._proto import coordinator_pb2 as pb
+    from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+
+    server = coordinator_factory(1)
+    client = gridcomm.CoordinatorClient("127.0.0.1", server.port, 0, 1, timeout_s=10.0)
+    try:
+        client.join()
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            piece = b"p" * 1000
+            stub.Set(pb.SetRequest(caller=client.caller, key="k", value=piece, total_bytes=3000, offset=0), timeout=5)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Set(pb.SetRequest(caller=client.caller, key="k", value=piece, total_bytes=3000, offset=2000),
+                         timeout=5)
+            assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "does not follow" in refused.value.details()
+            with pytest.raises(gridcomm.RendezvousTimeout):
+                client.get("k", timeout_s=0.5)
+            # A piece past the announced size is refused too.
+            with pytest.raises(grpc.RpcError) as past:
+                stub.Set(pb.SetRequest(caller=client.caller, key="k", value=piece * 4, total_bytes=3000, offset=0),
+                         timeout=5)
+            assert past.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert server.state._pieces_bytes == 0
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_restarted_after_the_rendezvous_says_so(coordinator_factory):
+    first = coordinator_factory(1)
+    client = gridcomm.CoordinatorClient("127.0.0.1", first.port, 0, 1, timeout_s=5.0)
+    try:
+        client.join()
+        port = first.port
+        first.stop()
+        coordinator_factory(1, port=port)
+        with pytest.raises(gridcomm.GridcommError) as refused:
+            client.set("k", b"v")
+        text = str(refused.value)
+        assert "no record of rank 0" in text and "restarted" in text, text
+        assert "before joining" not in text
+    finally:
+        client.close()

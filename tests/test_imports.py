@@ -22,6 +22,7 @@ LAYERS = {
     "_rendezvous": 2,
     "_proto": 2,
     "_eventloop": 1,
+    "_guard": 2.5,
     "_server": 3,
     "_channel": 3.5,
     "_session": 3.7,

@@ -151,6 +151,65 @@ def test_kv_limits():
     assert state.get("a") == b"2"
 
 
+def test_a_value_in_pieces_is_stored_once_whole_and_counts_while_it_arrives():
+    state = JobState(2, "job", now=0.0, limits=Limits(max_value_bytes=10, max_total_value_bytes=15))
+    assert state.set_piece(0, "k", 0, 6, b"abc") is False
+    assert state.get("k") is None
+    # A second value of 10 bytes does not fit beside the 6 announced (15 in all).
+    with pytest.raises(StateError) as full:
+        state.set("other", b"x" * 10)
+    assert full.value.code == RESOURCE_EXHAUSTED
+    assert state.set_piece(0, "k", 3, 6, b"def") is True
+    assert state.get("k") == b"abcdef" and state.version("k") > 0
+
+
+def test_value_pieces_out_of_order_are_refused_but_a_repeat_is_harmless():
+    state = JobState(2, "job", now=0.0)
+    state.set_piece(1, "k", 0, 6, b"ab")
+    assert state.set_piece(1, "k", 0, 6, b"ab") is False  # offset 0 restarts
+    state.set_piece(1, "k", 2, 6, b"cd")
+    assert state.set_piece(1, "k", 2, 6, b"cd") is False  # the same piece again (a repeated call)
+    with pytest.raises(StateError) as gap:
+        state.set_piece(1, "k", 5, 6, b"f")
+    assert gap.value.code == INVALID_ARGUMENT and "does not follow" in gap.value.message
+    with pytest.raises(StateError):  # what came before the gap was dropped
+        state.set_piece(1, "k", 4, 6, b"ef")
+    with pytest.raises(StateError) as past:
+        state.set_piece(1, "k", 0, 6, b"abcdefg")
+    assert past.value.code == INVALID_ARGUMENT
+    with pytest.raises(StateError) as big:
+        state.set_piece(1, "k", 0, state.limits.max_value_bytes + 1, b"a")
+    assert big.value.code == RESOURCE_EXHAUSTED
+    assert state.get("k") is None and state._pieces_bytes == 0
+
+
+def test_a_rank_that_leaves_or_fails_drops_its_unfinished_pieces():
+    state = joined(2)
+    state.set_piece(0, "a", 0, 100, b"x")
+    state.set_piece(1, "b", 0, 100, b"y")
+    state.leave(0, now=1.0)
+    assert state._pieces_bytes == 100
+    state.fail(1, "gone", reported_by=-1, now=2.0)
+    assert state._pieces_bytes == 0
+
+
+def test_setting_a_key_again_changes_its_version():
+    state = JobState(1, "job", now=0.0)
+    state.set("k", b"1")
+    first = state.version("k")
+    state.set("k", b"1")
+    assert state.version("k") != first and state.version("missing") == 0
+
+
+def test_a_caller_unknown_after_the_rendezvous_is_told_the_coordinator_restarted():
+    state = JobState(2, "job", now=0.0)  # a coordinator that never saw this job's rendezvous
+    with pytest.raises(StateError) as unknown:
+        state.check_caller("job", 1, 7, 1, "heartbeat")
+    assert "restarted" in unknown.value.message and "before joining" not in unknown.value.message
+    with pytest.raises(StateError, match="before joining"):
+        state.check_caller("job", 1, 7, 0, "heartbeat")
+
+
 def test_failure_is_first_report_wins_and_blocks_later_work():
     state = joined(3)
     first = state.fail(2, "boom", reported_by=2, now=5.0)

@@ -84,34 +84,46 @@ class JoinResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
 
 class SetRequest(_message.Message):
-    __slots__ = ("caller", "key", "value")
+    __slots__ = ("caller", "key", "value", "total_bytes", "offset")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     key: str
     value: bytes
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    total_bytes: int
+    offset: int
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class SetResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("caller", "key", "wait_s")
+    __slots__ = ("caller", "key", "wait_s", "offset", "version")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     key: str
     wait_s: float
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    offset: int
+    version: int
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., wait_s: _Optional[float] = ..., offset: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class GetResponse(_message.Message):
-    __slots__ = ("value",)
+    __slots__ = ("value", "total_bytes", "version")
     VALUE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     value: bytes
-    def __init__(self, value: _Optional[bytes] = ...) -> None: ...
+    total_bytes: int
+    version: int
+    def __init__(self, value: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class BarrierRequest(_message.Message):
     __slots__ = ("caller", "name", "seq", "wait_s", "participants")
