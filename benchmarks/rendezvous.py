@@ -104,7 +104,10 @@ class GridcommPeer(Peer):
         return server, server.port
 
     def connect(self, port: int, rank: int, world: int, timeout_s: float) -> Any:
-        client = gridcomm.CoordinatorClient("127.0.0.1", port, rank, world, timeout_s=timeout_s)
+        # Why session="client": a rank stands for a pod, so it must not share its process's
+        # stream and connection with the other ranks of this harness process (a deployment
+        # has one rank per process; see "Deployment shapes" in DESIGN.md).
+        client = gridcomm.CoordinatorClient("127.0.0.1", port, rank, world, timeout_s=timeout_s, session="client")
         client.join()
         return client
 
@@ -148,12 +151,8 @@ class TorchPeer(Peer):
         return client.get(BLOB_KEY)  # waits for the key, up to the store's timeout
 
     def barrier(self, client: Any, index: int, world: int, timeout_s: float) -> None:
-        # A counter per barrier; the last arrival sets a key everyone waits for (torch elastic's
-        # store barrier works this way). A fresh key each time, since counters are never reset.
-        key = f"bench/barrier/{index}"
-        if client.add(key, 1) == world:
-            client.set(key + "/done", b"1")
-        client.wait([key + "/done"], datetime.timedelta(seconds=timeout_s))
+        # torch's own store barrier (native in the libuv server), at its best.
+        client.barrier(f"bench/barrier/{index}", world, datetime.timedelta(seconds=timeout_s))
 
 
 class JaxPeer(Peer):
@@ -271,8 +270,8 @@ def proc_stats(pid: int) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------- one run (driver)
-def rank_groups(world: int) -> list[list[int]]:
-    procs = world if world <= PROCESS_PER_RANK_MAX else PROCESSES
+def rank_groups(world: int, process_per_rank_max: int = PROCESS_PER_RANK_MAX) -> list[list[int]]:
+    procs = world if world <= process_per_rank_max else PROCESSES
     per = math.ceil(world / procs)
     return [list(range(i, min(i + per, world))) for i in range(0, world, per)]
 
@@ -363,7 +362,7 @@ def start_server(peer_name: str, world: int, timeout_s: float, env: dict[str, st
 
 
 def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_timeout_s: float,
-          idle_s: float) -> dict[str, Any]:
+          idle_s: float, process_per_rank_max: int = PROCESS_PER_RANK_MAX) -> dict[str, Any]:
     """Runs one peer at one N; returns what was measured and a status."""
     result: dict[str, Any] = {"peer": peer_name, "world": world, "barriers": barriers, "status": "ok"}
     server, port = start_server(peer_name, world, timeout_s, dict(os.environ))
@@ -380,7 +379,7 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
         # at once (EOF), where a multiprocessing.Event would wake its waiters one by one.
         gates = {phase: os.pipe() for phase in PHASES}
         progress = ctx.Array("i", world, lock=False)  # barriers each rank has passed
-        groups = rank_groups(world)
+        groups = rank_groups(world, process_per_rank_max)
         result["processes"], result["threads_per_process"] = len(groups), len(groups[0])
         for wid, ranks in enumerate(groups):
             p = ctx.Process(target=worker_main, daemon=True, args=(
@@ -473,7 +472,7 @@ def run_one(args: argparse.Namespace, peer: str, world: int, barriers: int, env:
     limit = 4 * args.timeout_s + args.barrier_timeout_s + args.idle_s + 60
     cmd = [sys.executable, __file__, "--_run", peer, "--world", str(world), "--barriers", str(barriers),
            "--timeout-s", str(args.timeout_s), "--barrier-timeout-s", str(args.barrier_timeout_s),
-           "--idle-s", str(args.idle_s)]
+           "--idle-s", str(args.idle_s), "--process-per-rank-max", str(args.process_per_rank_max)]
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
         try:
@@ -591,7 +590,15 @@ def summary(report: dict[str, Any]) -> dict[tuple[int, str], dict[str, Any]]:
         for key in ("connect_s", "gate_release_s", "t1_s", "t2_s", "server_peak_mb", "server_start_mb", "idle_growth_mb", "server_cpu_s"):
             if res.get(key) is not None:
                 cell.setdefault(key, []).append(res[key])
+        if res["status"] == "ok" and res.get("server_cpu_s") is not None:
+            cell.setdefault("cpu_per_op_us", []).append(res["server_cpu_s"] / rank_operations(res) * 1e6)
     return out
+
+
+def rank_operations(res: dict[str, Any]) -> int:
+    """What the server answered in a run: per rank a connect (join), the blob (set or get) and
+    each barrier."""
+    return int(res["world"]) * (2 + int(res.get("barriers") or 0))
 
 
 def ms(seconds: float) -> str:
@@ -633,22 +640,22 @@ def row(world: int, peer: str, cell: dict[str, Any]) -> str:
             f"| {spread_ms(cell.get('t1_s'))} | {median_ms(cell.get('gate_release_s'))} "
             f"| {spread_ms(cell.get('t2_s'))} | {peak} "
             f"| {median_of(cell.get('idle_growth_mb'), '{:+.1f}')} | {median_of(cell.get('server_cpu_s'), '{:.2f}')} "
-            f"| {status_of(cell)} |")
+            f"| {median_of(cell.get('cpu_per_op_us'), '{:.0f}')} | {status_of(cell)} |")
 
 
 def markdown(report: dict[str, Any]) -> str:
     cells = summary(report)
     lines = [
         "| N | peer | connect ms | T1 ms median [min..max] | of which gate ms | T2 ms median [min..max] "
-        "| server peak RSS MB (start) | RSS growth over idle MB | server CPU s | status |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| server peak RSS MB (start) | RSS growth over idle MB | server CPU s | server CPU us per rank-op | status |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for world in sorted(report["ranks"]):
         for peer in sorted(report["peers"], key=PEER_NAMES.index):
             if (world, peer) not in cells:
                 failed_at = [w for (w, p), c in cells.items() if p == peer and w < world and c["dropped"]]
                 why = f"not run (failed at {min(failed_at)} ranks)" if failed_at else "not run"
-                lines.append(f"| {world} | {peer} |" + " – |" * 7 + f" {why} |")
+                lines.append(f"| {world} | {peer} |" + " – |" * 8 + f" {why} |")
                 continue
             lines.append(row(world, peer, cells[world, peer]))
     worlds = sorted({w for w, _ in cells})
@@ -656,14 +663,15 @@ def markdown(report: dict[str, Any]) -> str:
     for world in worlds:
         ratios = [str(world)]
         for other in ("torch", "jax"):
-            for key in ("t1_s", "t2_s"):
+            for key in ("t1_s", "t2_s", "cpu_per_op_us"):
                 mine = cells.get((world, "gridcomm"), {}).get(key)
                 theirs = cells.get((world, other), {}).get(key)
                 ratios.append(f"{statistics.median(mine) / statistics.median(theirs):.2f}x" if mine and theirs else "–")
         ratio_rows.append("| " + " | ".join(ratios) + " |")
     lines += ["", "Ratios of medians (below 1.00x: gridcomm is faster):", "",
-              "| N | T1 gridcomm/torch | T2 gridcomm/torch | T1 gridcomm/JAX | T2 gridcomm/JAX |",
-              "| ---: | ---: | ---: | ---: | ---: |", *ratio_rows]
+              "| N | T1 gridcomm/torch | T2 gridcomm/torch | server CPU gridcomm/torch | T1 gridcomm/JAX "
+              "| T2 gridcomm/JAX | server CPU gridcomm/JAX |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |", *ratio_rows]
     return "\n".join(lines)
 
 
@@ -843,6 +851,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="do not re-run in a loopback-only network namespace (see loopback_only)")
     ap.add_argument("--_serve", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_run", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--process-per-rank-max", type=int, default=PROCESS_PER_RANK_MAX,
+                    help="up to this many ranks every rank is an OS process of its own; above it, "
+                         f"{PROCESSES} processes of threads (default %(default)s)")
     ap.add_argument("--world", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.ranks = [int(x) for x in args.ranks.split(",") if x]
@@ -888,7 +899,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args._run:
         print(json.dumps(drive(args._run, args.world, args.barriers, args.timeout_s, args.barrier_timeout_s,
-                               args.idle_s)), flush=True)
+                               args.idle_s, args.process_per_rank_max)), flush=True)
         return 0
     if args.pool:
         print(pooled([json.loads(Path(f).read_text()) for f in args.pool.split(",")]))

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from gridcomm import _config
-from gridcomm._server import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, SERVICE_NAME
+from gridcomm._wire import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, SERVICE_NAME
 
 _SERVICE_CONFIG = json.dumps(
     {

@@ -1,7 +1,7 @@
 """The coordinator client: a synchronous gRPC client with a deadline on every call.
 
 No thread is started per client: calls run on the caller's thread and gRPC's own core, or, for
-join, set, get, barrier and leave, travel on the process's Session stream (see
+join, set, get, barrier and leave, travel on the client's Session stream (see
 :mod:`gridcomm._session`; unary RPCs when GRIDCOMM_SESSION=off or when the stream breaks). Long
 waits are made of bounded slices so progress is logged ("waiting for 3 of 64 ranks: [5, 17, 40]")
 and no single call outlives its deadline. Transient UNAVAILABLE is retried by the channel's
@@ -23,17 +23,15 @@ import grpc
 from gridcomm import _config, _session
 from gridcomm._channel import make_channel
 from gridcomm._errors import (
-    AuthenticationError,
     CommAborted,
     ConfigError,
     CoordinatorUnavailable,
     GridcommError,
-    RankFailedError,
     RendezvousTimeout,
 )
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
-from gridcomm._server import CHUNK_BYTES, FAILED_KEY, MISSING_KEY
+from gridcomm._wire import CHUNK_BYTES, translate
 
 log = logging.getLogger(__name__)
 
@@ -50,69 +48,8 @@ _REREADS = 8
 #: Bound on a short (non-waiting) call.
 SHORT_CALL_S = 10.0
 
-# One table from gRPC status to the library's errors (metadata can refine it, see _translate).
-_STATUS_ERRORS: dict[grpc.StatusCode, type[GridcommError]] = {
-    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
-    grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
-    grpc.StatusCode.INVALID_ARGUMENT: ConfigError,
-    grpc.StatusCode.OUT_OF_RANGE: ConfigError,
-    grpc.StatusCode.ALREADY_EXISTS: ConfigError,
-    grpc.StatusCode.FAILED_PRECONDITION: ConfigError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ConfigError,
-    grpc.StatusCode.NOT_FOUND: ConfigError,
-    grpc.StatusCode.ABORTED: RankFailedError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: RendezvousTimeout,
-    grpc.StatusCode.UNAVAILABLE: CoordinatorUnavailable,
-    grpc.StatusCode.UNIMPLEMENTED: CoordinatorUnavailable,
-    grpc.StatusCode.CANCELLED: CommAborted,
-}
-
 #: The unary RPC that does what each Session operation does.
 _UNARY = {"join": "Join", "set": "Set", "get": "Get", "barrier": "Barrier", "leave": "Leave"}
-
-
-def _metadata_value(error: grpc.RpcError, key: str) -> str | None:
-    try:
-        trailing = error.trailing_metadata() or ()  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - not a call object
-        return None
-    for k, v in trailing:
-        if k == key:
-            return v if isinstance(v, str) else v.decode()
-    return None
-
-
-def _parse_ranks(text: str | None) -> list[int]:
-    if not text:
-        return []
-    out = []
-    for part in text.split(","):
-        try:
-            out.append(int(part))
-        except ValueError:
-            pass
-    return out
-
-
-def translate(error: grpc.RpcError, what: str, target: str) -> GridcommError:
-    """Turns a gRPC error into the library's error, with a message that names the call and address."""
-    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
-    details = (error.details() if hasattr(error, "details") else None) or str(code)  # type: ignore[attr-defined]
-    failed = _metadata_value(error, FAILED_KEY)
-    if failed is not None:
-        rank = int(failed) if failed.lstrip("-").isdigit() else -1
-        return RankFailedError(f"{what}: {details}", rank=rank, reason=details)
-    cls = _STATUS_ERRORS.get(code, GridcommError)
-    if cls is RendezvousTimeout:
-        missing_text = _metadata_value(error, MISSING_KEY)
-        timeout = RendezvousTimeout(f"{what}: {details}", _parse_ranks(missing_text))
-        # Why: a wait the server ended (it answered) differs from no answer at all.
-        timeout.from_server = missing_text is not None or details != "Deadline Exceeded"  # type: ignore[attr-defined]
-        timeout.details = details  # type: ignore[attr-defined]
-        return timeout
-    if cls is CoordinatorUnavailable:
-        return CoordinatorUnavailable(f"{what}: the coordinator at {target} is unavailable: {details}")
-    return cls(f"{what}: {details}")
 
 
 def _check_text(what: str, value: Any) -> None:
@@ -193,8 +130,7 @@ class CoordinatorClient:
 
     @property
     def caller(self) -> pb.Caller:
-        """This rank's identity on every request after join (the fast paths of get and barrier
-        read ``_caller`` itself)."""
+        """This rank's identity on every request after join."""
         return self._caller
 
     @property
@@ -240,81 +176,42 @@ class CoordinatorClient:
         except grpc.RpcError as exc:
             raise translate(exc, what, self.target) from exc
 
-    def _op(self, kind: str, request: Any, what: str, timeout_s: float, *, wait_for_ready: bool = False,
-            group: Any = None, hold: float = 0.0) -> Any:
+    def _op(self, kind: str, request: Any, what: str, timeout_s: float, *, wait_for_ready: bool = False) -> Any:
         """One coordinator operation: on the Session stream where there is one, else (or when
-        the stream breaks; every operation is idempotent) as its unary RPC. ``group``: the key
-        under which the same operation by other clients of this process's stream may travel
-        with this one, ``hold`` how long it may wait for them (see
-        :meth:`_session.Session.call`)."""
+        the stream breaks; every operation is idempotent) as its unary RPC."""
         if self._closed:
             raise CommAborted(f"{what}: this client was closed.")
         if self.session_mode != "off":
             if self._session is None:
-                self._session = _session.acquire(self.target, self.tls, self._metadata,
-                                                 self if self.session_mode == "client" else None)
+                self._session = _session.Session(self.target, self.tls, self._metadata)
             started = time.monotonic()
             try:
-                return self._session.call(kind, request, timeout_s, group, hold)
-            except (_session.OpError, _session.StreamBroken) as exc:
-                error: Exception = exc
-            return self._not_answered_on_stream(kind, request, error, what, timeout_s, started, wait_for_ready)
-        method = getattr(self._stub, _UNARY[kind])
-        return self._call(method, _session.built(request), what, timeout_s, wait_for_ready=wait_for_ready)
-
-    def _not_answered_on_stream(self, kind: str, request: Any, error: Exception, what: str, timeout_s: float,
-                                started: float, wait_for_ready: bool = False) -> Any:
-        """An operation the Session stream raised ``error`` for: a status (OpError) is
-        translated and raised; a broken stream, or one not served, repeats the operation as its
-        unary RPC with what is left of ``timeout_s`` since ``started`` (every operation is
-        idempotent)."""
-        if isinstance(error, _session.OpError):
-            raise translate(error, what, self.target) from None
-        log.debug("rank %d: %s; repeating %s as a unary call", self.rank, error, kind)
-        # Why: the repeat gets what is left of this call's time, not all of it again.
-        timeout_s -= time.monotonic() - started
-        if timeout_s <= 0:
-            raise translate(_session.OpError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),
-                            what, self.target)
-        method = getattr(self._stub, _UNARY[kind])
-        return self._call(method, _session.built(request), what, timeout_s, wait_for_ready=wait_for_ready)
-
-    def _first_slice_failed(self, kind: str, request: Any, error: Exception, started: float,
-                            what: Callable[[], str]) -> Any:
-        """What :meth:`_op` does (:meth:`_not_answered_on_stream`) when the first slice of a
-        get's or barrier's long poll, sent straight to the Session stream by the method itself
-        (its fast path), raised ``error``. Returns the response, or the RendezvousTimeout of a
-        slice that ended without one (the long poll goes on from there); raises anything else.
-        Why the fast path: under load every Python step on a rank's thread costs several times
-        its time alone (cold caches, 2 cores for 33 processes). At 512 ranks (32 processes x 16
-        threads) the rank threads' CPU per barrier fell from 15.9-17.9 ms to 11.1-12.8 ms when a
-        barrier went straight to the stream, skipping the long poll's and _op's frames
-        (measured with a bare call in their place)."""
-        try:
-            return self._not_answered_on_stream(kind, request, error, what(), request.wait_s + _CALL_SLACK_S, started)
-        except RendezvousTimeout as exc:
-            exc.started = started  # type: ignore[attr-defined]
-            return exc
+                return self._session.call(kind, request, timeout_s)
+            except _session.OpError as exc:
+                raise translate(exc, what, self.target) from None
+            except _session.StreamBroken as exc:
+                log.debug("rank %d: %s; repeating %s as a unary call", self.rank, exc, kind)
+            # Why: the repeat gets what is left of this call's time, not all of it again.
+            timeout_s -= time.monotonic() - started
+            if timeout_s <= 0:
+                raise translate(_session.OpError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),
+                                what, self.target)
+        return self._call(getattr(self._stub, _UNARY[kind]), request, what, timeout_s, wait_for_ready=wait_for_ready)
 
     def _long_poll(self, what: str, timeout_s: float | None, attempt: Callable[[float, float], _T],
-                   progress: Callable[[list[int]], str], *, first_contact: bool = False,
-                   failed: RendezvousTimeout | None = None) -> _T:
+                   progress: Callable[[list[int]], str], *, first_contact: bool = False) -> _T:
         """Repeats ``attempt(wait_s, call_timeout_s)`` in bounded slices until it succeeds or the
-        overall deadline passes, logging who is still missing after each slice. ``failed``: the
-        timeout of a first slice that get or barrier already ran (see :meth:`_first_slice_failed`);
-        the deadline counts from that slice's start."""
+        overall deadline passes, logging who is still missing after each slice."""
         total = self.timeout_s if timeout_s is None else _config.parse_duration("timeout_s", timeout_s)
-        started = time.monotonic() if failed is None else failed.started  # type: ignore[attr-defined]
+        started = time.monotonic()
         deadline = started + total
         answered = False
         while True:
-            if failed is None:
-                wait_s = max(0.0, min(deadline - time.monotonic(), PROGRESS_INTERVAL_S))
-                try:
-                    return attempt(wait_s, wait_s + _CALL_SLACK_S)
-                except RendezvousTimeout as exc:
-                    failed = exc
-            timeout, failed = failed, None
+            wait_s = max(0.0, min(deadline - time.monotonic(), PROGRESS_INTERVAL_S))
+            try:
+                return attempt(wait_s, wait_s + _CALL_SLACK_S)
+            except RendezvousTimeout as exc:
+                timeout = exc
             answered = answered or bool(getattr(timeout, "from_server", False))
             if deadline - time.monotonic() > 0.05:
                 if timeout.missing_ranks:
@@ -402,78 +299,32 @@ class CoordinatorClient:
 
     def get(self, key: str, timeout_s: float | None = None) -> bytes:
         """Returns the value under ``key``, waiting until some rank sets it or the deadline passes."""
-        if not (type(key) is str and key.isascii()):  # ASCII always encodes: the check's frame only for the rest
-            _check_text("key", key)
-        failed = None
-        session = self._session
-        if session is not None and timeout_s is None and not self._closed:
-            # The fast path: the long poll's first slice straight to the stream (see _first_slice_failed).
-            wait_s = min(self.timeout_s, PROGRESS_INTERVAL_S)
-            request = _session.Deferred((pb.GetRequest, self._caller, wait_s, {"key": key}))
-            started = time.monotonic()
-            try:
-                response = session.call("get", request, wait_s + _CALL_SLACK_S, ("get", key), _session.HOLD_GET_S)
-                return response.value if not response.total_bytes else self._whole(key, response)  # type: ignore[no-any-return]
-            except (_session.OpError, _session.StreamBroken) as exc:
-                failed = self._first_slice_failed("get", request, exc, started, lambda: f"rank {self.rank}: get {key!r}")
-            if not isinstance(failed, RendezvousTimeout):
-                return self._whole(key, failed)
+        _check_text("key", key)
+        what = f"rank {self.rank}: get {key!r}"
 
         def attempt(wait_s: float, call_s: float) -> pb.GetResponse:
-            request = _session.Deferred((pb.GetRequest, self.caller, wait_s, {"key": key}))
-            return self._op("get", request, f"rank {self.rank}: get {key!r}", call_s, group=("get", key),
-                            hold=_session.HOLD_GET_S)
+            return self._op("get", pb.GetRequest(caller=self._caller, key=key, wait_s=wait_s), what, call_s)
 
-        return self._whole(key, self._long_poll(f"rank {self.rank}: get {key!r}", timeout_s, attempt,
-                                                lambda missing: f"still waiting for key {key!r}", failed=failed))
+        return self._whole(key, self._long_poll(what, timeout_s, attempt, lambda missing: f"still waiting for key {key!r}"))
 
     def barrier(self, name: str = "barrier", timeout_s: float | None = None, *,
                 participants: Sequence[int] = ()) -> None:
         """Waits until every rank (or every one of ``participants``) reaches the barrier ``name``;
         on timeout raises :class:`RendezvousTimeout` naming the missing ranks. Reusing a name is fine."""
-        seq = self._barrier_seq.get(name) if type(name) is str else None  # a name used before passed these checks
-        if seq is None:
-            # Why the ASCII test first: a fresh name per barrier is common (the benchmark's are), and
-            # ASCII always encodes; the full check, a frame of its own, runs only for the rest.
-            if not (type(name) is str and name and name.isascii()):
-                if not isinstance(name, str) or not name:
-                    raise ConfigError(f"barrier name must be a non-empty str, not {name!r}.")
-                _check_text("barrier name", name)
-            seq = self._barrier_seq.get(name, 0)
-        seq += 1
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"barrier name must be a non-empty str, not {name!r}.")
+        _check_text("barrier name", name)
+        seq = self._barrier_seq.get(name, 0) + 1
         # Why: the seq advances even if this wait fails, since the coordinator recorded the arrival.
         self._barrier_seq[name] = seq
-        failed = None
-        session = self._session
-        if session is not None and timeout_s is None and not participants and not self._closed:
-            # The fast path: the long poll's first slice straight to the stream (see _first_slice_failed).
-            wait_s = min(self.timeout_s, PROGRESS_INTERVAL_S)
-            request = _session.Deferred((pb.BarrierRequest, self._caller, wait_s, {"name": name, "seq": seq}))
-            started = time.monotonic()
-            try:
-                session.call("barrier", request, wait_s + _CALL_SLACK_S, ("barrier", name, seq, ()),
-                             _session.HOLD_BARRIER_S)
-                return
-            except (_session.OpError, _session.StreamBroken) as exc:
-                failed = self._first_slice_failed("barrier", request, exc, started,
-                                                  lambda: f"rank {self.rank}: barrier {name!r}")
-            if not isinstance(failed, RendezvousTimeout):
-                return
         what = f"rank {self.rank}: barrier {name!r}"
-        group = ("barrier", name, seq, tuple(participants))
-
-        fields: dict[str, Any] = {"name": name, "seq": seq}
-        if participants:  # Why only when given: the empty keyword alone costs a third more per message.
-            fields["participants"] = participants
 
         def attempt(wait_s: float, call_s: float) -> pb.BarrierResponse:
-            request = _session.Deferred((pb.BarrierRequest, self.caller, wait_s, fields))
-            return self._op("barrier", request, what, call_s, group=group,
-                            hold=0.0 if participants else _session.HOLD_BARRIER_S)
+            request = pb.BarrierRequest(caller=self._caller, name=name, seq=seq, wait_s=wait_s, participants=participants)
+            return self._op("barrier", request, what, call_s)
 
         self._long_poll(what, timeout_s, attempt,
-                        lambda missing: f"barrier {name!r}: waiting for {len(missing)} of {self.world_size} ranks: {missing[:16]}",
-                        failed=failed)
+                        lambda missing: f"barrier {name!r}: waiting for {len(missing)} of {self.world_size} ranks: {missing[:16]}")
 
     def put(self, key: str, data: bytes | memoryview, readers: int = 1, timeout_s: float | None = None) -> None:
         """Sends one message (any size; streamed in chunks) for ``readers`` takers (host backend)."""
@@ -571,7 +422,7 @@ class CoordinatorClient:
             channel.close()
         session, self._session = self._session, None
         if session is not None:
-            _session.release(session)
+            session.close_soon()
 
     def __enter__(self) -> CoordinatorClient:
         return self

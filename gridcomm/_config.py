@@ -231,17 +231,21 @@ def coordinator_mode(environ: Mapping[str, str] | None = None) -> str:
     return mode
 
 
-SESSION_MODES = ("process", "client", "off")
+SESSION_MODES = ("client", "off")
 
 
 def session_mode(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> str:
-    """How a client carries its waiting calls: ``process`` (default: one Session stream shared by
-    the process's clients), ``client`` (a stream per client) or ``off`` (unary RPCs only);
-    argument, then GRIDCOMM_SESSION."""
+    """How a client carries its waiting calls: ``client`` (default: a Session stream of its own)
+    or ``off`` (unary RPCs only); argument, then GRIDCOMM_SESSION."""
     value = explicit
     if value is None:
         found = _first(_env(environ), ("GRIDCOMM_SESSION",))
-        value = found[1].strip().lower() if found else "process"
+        value = found[1].strip().lower() if found else "client"
+    if value == "process":
+        # Why refused, not mapped: the stream shared by a process's clients was removed (it
+        # served only ranks that share a process, which no deployment has).
+        raise ConfigError("GRIDCOMM_SESSION=process was removed: every client has a stream of its own now; "
+                          "unset it, or use 'client' or 'off'.")
     if value not in SESSION_MODES:
         raise ConfigError(f"GRIDCOMM_SESSION={value!r} must be one of {', '.join(SESSION_MODES)}.")
     return value

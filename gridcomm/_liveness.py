@@ -30,7 +30,7 @@ from gridcomm._eventloop import run_soon, submit
 from gridcomm._guard import BoundedHealth, GuardedServer, health_server_options
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
-from gridcomm._server import SERVICE_NAME
+from gridcomm._wire import SERVICE_NAME
 
 log = logging.getLogger(__name__)
 

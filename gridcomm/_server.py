@@ -1,20 +1,16 @@
-"""The coordinator: a ``grpc.aio`` server on a thread of its own.
-
-One event loop serves every rank; a waiting rank costs a future, never a thread. The decisions
-live in :mod:`gridcomm._rendezvous`; this module only waits, wakes and translates to gRPC.
-"""
+"""The coordinator's lifecycle: a ``grpc.aio`` server on a thread of its own, its health, and the
+wiring of the RPCs to the operations (:mod:`gridcomm._servicer`) and the Session stream
+(:mod:`gridcomm._stream`)."""
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import dataclasses
-import hmac
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -23,34 +19,16 @@ from gridcomm import _config
 from gridcomm._errors import ConfigError, CoordinatorUnavailable
 from gridcomm._guard import MAX_METADATA_BYTES, BoundedHealth, GuardedServer, health_server_options
 from gridcomm._proto import coordinator_pb2 as pb
-from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
-from gridcomm._rendezvous import JobState, Limits, Member, MemberState, StateError, quote
+from gridcomm._rendezvous import JobState, Limits
+from gridcomm._servicer import UNDECODABLE, Abort, Servicer, status_of
+from gridcomm._stream import ServerSession
+from gridcomm._wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, SERVICE_NAME
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "gridcomm.v1.Coordinator"
-MISSING_KEY = "gridcomm-missing-ranks"
-FAILED_KEY = "gridcomm-failed-rank"
-#: What a coordinator tells a Session stream it accepts, in the initial metadata.
-SESSION_FEATURES_KEY = "gridcomm-session-features"
-SESSION_FEATURES = "group"
-#: Margin kept between the server's answer and the caller's gRPC deadline, so a timed-out wait
-#: reaches the caller as our structured answer rather than as the transport's DEADLINE_EXCEEDED.
-_ANSWER_MARGIN_S = 0.25
-#: Host-backend messages, and a key's value larger than this, travel in pieces of this size.
-CHUNK_BYTES = 1024 * 1024
-#: Largest request message the coordinator reads: a chunk plus framing. Why not more: health
-#: requests need no token and are read whole, so this bounds what each of them can make it hold.
-MAX_REQUEST_BYTES = CHUNK_BYTES + 64 * 1024
-#: Largest message sent (the coordinator's answers; a Session reply batches several).
-MAX_MESSAGE_BYTES = 80 * 1024 * 1024
-#: Longest status message sent (characters); see _details.
-MAX_DETAILS = 400
 #: Concurrent calls one connection may have open. A rank needs a few (its Session stream, a
-#: long poll, a transfer); ranks sharing a process carry their calls on one Session stream.
+#: long poll, a transfer).
 MAX_STREAMS_PER_CONNECTION = 256
-
-_T = TypeVar("_T")
 
 
 def max_connections(world_size: int) -> int:
@@ -94,972 +72,108 @@ def server_options(world_size: int) -> list[tuple[str, Any]]:
     ]
 
 
-class _Undecodable:
-    """Stands for a request body that is not a valid message of its type."""
-
-
-_UNDECODABLE = _Undecodable()
-
-
 def _parser(message_type: Any) -> Callable[[bytes], Any]:
     def parse(data: bytes) -> Any:
         try:
             return message_type.FromString(data)
         except Exception:  # noqa: BLE001 - DecodeError and friends: answered INVALID_ARGUMENT
-            return _UNDECODABLE
+            return UNDECODABLE
 
     return parse
-
-
-def _reading_after_auth(servicer: _Servicer, name: str, method: Callable[..., Any], client_streaming: bool,
-                        server_streaming: bool) -> Callable[..., Any]:
-    """Wraps one RPC so that the token is checked on the call's headers, before any request
-    message is read. Why: gRPC reads and parses a unary request whole before its handler runs,
-    so without a token 12 concurrent 79 MiB Sets took a coordinator to +2.3 GB before each was
-    refused. Every method is registered with a streaming request (the same bytes on the wire as
-    a unary call), so a refused caller's body stays in the transport's flow-control window."""
-
-    if client_streaming:
-        if server_streaming:
-            async def stream_stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-                await servicer._admit(context, name)
-                await method(request_iterator, context)
-            return stream_stream
-
-        async def stream_unary(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-            await servicer._admit(context, name)
-            return await method(request_iterator, context)
-        return stream_unary
-
-    if server_streaming:
-        async def unary_stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-            request = await servicer._admit_and_read(context, name)
-            async for reply in method(request, context):
-                yield reply
-        return unary_stream
-
-    async def unary_unary(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await method(await servicer._admit_and_read(context, name), context)
-    return unary_unary
-
-
-def _register(servicer: _Servicer, server: grpc.aio.Server) -> None:
-    """Registers the Coordinator service like the generated helper, but (1) every method takes a
-    streaming request and checks the token before reading it (see _reading_after_auth), and (2)
-    the deserializers turn an undecodable body into a sentinel the handlers refuse with
-    INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN)."""
-    handlers = {}
-    for method in pb.DESCRIPTOR.services_by_name["Coordinator"].methods:
-        request_type = getattr(pb, method.input_type.name)
-        response_type = getattr(pb, method.output_type.name)
-        make = grpc.stream_stream_rpc_method_handler if method.server_streaming else grpc.stream_unary_rpc_method_handler
-        handle = _reading_after_auth(servicer, method.name, getattr(servicer, method.name), method.client_streaming,
-                                     method.server_streaming)
-        handlers[method.name] = make(handle, request_deserializer=_parser(request_type),
-                                     response_serializer=response_type.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-
-
-def _status_code(name: str) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, name)
-
-
-def _ranks_text(ranks: Iterable[int], limit: int = 2048) -> str:
-    text = ",".join(str(r) for r in ranks)
-    return text[:limit]
-
-
-def _bounded(ranks: list[int], shown: int = 16) -> str:
-    if len(ranks) <= shown:
-        return str(ranks)
-    return f"{ranks[:shown]}... ({len(ranks)} in all)"
-
-
-class _Abort(Exception):
-    """Raised inside a handler to answer with a status (and trailing metadata)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.metadata = metadata
-
-
-def _details(message: str) -> str:
-    """Status details short enough that, percent-encoded (up to 9 bytes a character), they stay
-    well inside gRPC's 8 KiB metadata budget beside our trailers."""
-    return message if len(message) <= MAX_DETAILS else message[: MAX_DETAILS - 15] + "... (truncated)"
-
-
-def _status_of(name: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
-    """The status a refused or failed operation answers with: code, details, trailing metadata."""
-    if isinstance(exc, _Abort):
-        return exc.code, _details(exc.message), exc.metadata
-    if isinstance(exc, StateError):
-        metadata = ((FAILED_KEY, str(exc.failed_rank)),) if exc.failed_rank is not None else ()
-        return _status_code(exc.code), _details(exc.message), metadata
-    log.exception("coordinator: %s failed on an unexpected error", name, exc_info=exc)
-    return grpc.StatusCode.INTERNAL, _details(f"{name} failed inside the coordinator: {exc!r}"), ()
 
 
 async def _refuse(context: grpc.aio.ServicerContext, name: str, exc: Exception) -> None:
     """Answers a refused or failed call with a status and a readable message; always raises."""
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
-    code, details, metadata = _status_of(name, exc)
-    await context.abort(code, details, trailing_metadata=metadata)
+    code, text, metadata = status_of(name, exc)
+    await context.abort(code, text, trailing_metadata=metadata)
 
 
-def _handler(method: Callable[..., Awaitable[_T]]) -> Callable[..., Awaitable[_T]]:
-    """Wraps a servicer method: maps refusals to statuses, never lets an exception escape to
-    crash or confuse the server (the token was checked before the request was read)."""
+async def _admit(servicer: Servicer, context: grpc.aio.ServicerContext, name: str) -> None:
+    """Checks the call's token on its headers; a refused call is answered (and this raises)."""
+    try:
+        servicer.authenticate(context, name)
+    except Exception as exc:  # noqa: BLE001 - refused with a status, never a crash
+        await _refuse(context, name, exc)
 
-    name = method.__name__
 
-    async def wrapped(self: _Servicer, request: Any, context: grpc.aio.ServicerContext) -> _T:
+async def _read_request(context: grpc.aio.ServicerContext, name: str) -> Any:
+    request = await context.read()
+    if request is grpc.aio.EOF:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"the {name} call carried no request.")
+    if request is UNDECODABLE:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"the {name} request body is not a valid gridcomm.v1 message of its type.")
+    return request
+
+
+def _unary(servicer: Servicer, name: str, operation: Callable[[Servicer, Any, float | None], Awaitable[Any]]) -> Any:
+    async def handle(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _admit(servicer, context, name)
         try:
-            if request is _UNDECODABLE:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"the {name} request body is not a valid gridcomm.v1 message of its type.")
-            return await method(self, request, context)
+            return await operation(servicer, await _read_request(context, name), servicer.deadline_of(context))
         except Exception as exc:  # noqa: BLE001 - the coordinator must survive any request
             await _refuse(context, name, exc)
-        raise AssertionError("unreachable")  # _refuse always raises
-
-    wrapped.__name__ = name
-    wrapped.__doc__ = method.__doc__
-    wrapped.__wrapped__ = method  # type: ignore[attr-defined]  # what a Session operation runs
-    return wrapped
+    return handle
 
 
-class _RefusalLog:
-    """Logs refused calls at a bounded rate: the first of each interval as it comes, the rest as
-    one count when the interval ends. Why: one client without the token made ~3,000 log lines a
-    second, a disk and a log pipeline an unauthenticated caller could fill."""
+def _handlers(servicer: Servicer) -> dict[str, Any]:
+    """Each RPC's handler. Why every one takes a streaming request (the same bytes on the wire as a
+    unary call): the token is checked on the call's headers before any request message is read.
+    gRPC reads and parses a unary request whole before its handler runs, so without a token 12
+    concurrent 79 MiB Sets took a coordinator to +2.3 GB before each was refused."""
 
-    INTERVAL_S = 10.0
-
-    def __init__(self) -> None:
-        self._until = 0.0
-        self._count = 0
-        self._peers: set[str] = set()
-        #: Refused calls since start (what an operator's metrics would read).
-        self.total = 0
-
-    def note(self, method: str, peer: str, how: str) -> None:
-        self.total += 1
-        now = time.monotonic()
-        if now >= self._until:
-            self._flush()
-            self._until = now + self.INTERVAL_S
-            log.warning("coordinator: refused %s from %s: %s token (further refusals in the next %g s are counted, "
-                        "not logged one by one)", method, peer, how, self.INTERVAL_S)
-            try:
-                asyncio.get_running_loop().call_later(self.INTERVAL_S, self._flush)
-            except RuntimeError:
-                pass  # no loop (a unit test): the next refusal flushes
-            return
-        self._count += 1
-        if len(self._peers) < 8:
-            self._peers.add(peer)
-
-    def _flush(self) -> None:
-        if self._count:
-            log.warning("coordinator: refused %d more calls without a valid token in the last %g s (from %s%s)",
-                        self._count, self.INTERVAL_S, ", ".join(sorted(self._peers)),
-                        ", ..." if len(self._peers) >= 8 else "")
-        self._count = 0
-        self._peers = set()
-
-
-@dataclasses.dataclass
-class _Parked:
-    """An operation that has to wait: for what (key, done), and how it is answered."""
-
-    #: The ranks waiting (one, or a Session group's members).
-    members: Sequence[Member]
-    key: tuple[Any, ...]
-    done: Callable[[], bool]
-    what: str
-    response: Callable[[], Any]
-    timed_out: Callable[[], Exception]
-
-
-class _Servicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, owner: Coordinator) -> None:
-        self._owner = owner
-        self._state = owner.state
-        self._loop = asyncio.get_running_loop()
-        self._waiters: dict[tuple[Any, ...], list[asyncio.Future[None]]] = {}
-        self._token = owner._token.encode() if owner._token is not None else None
-        self._refusals = _RefusalLog()
-        #: Session operations that came as members of a group (SessionOp.also), since start.
-        self.grouped = 0
-
-    # ------------------------------------------------------------------ plumbing
-    def _now(self) -> float:
-        return time.monotonic()
-
-    def _authenticate(self, context: grpc.aio.ServicerContext, method: str) -> None:
-        if self._token is None:
-            return
-        supplied = b""
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization":
-                supplied = value.encode() if isinstance(value, str) else bytes(value)
-                break
-        expected = b"Bearer " + self._token
-        if not hmac.compare_digest(supplied, expected):
-            self._refusals.note(method, context.peer(), "missing" if not supplied else "wrong")
-            raise _Abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"{method} refused: the {'token is missing' if not supplied else 'token is wrong'}; "
-                "set the same GRIDCOMM_TOKEN (or GRIDCOMM_TOKEN_FILE) on every rank and the coordinator.",
-            )
-
-    async def _admit(self, context: grpc.aio.ServicerContext, name: str) -> None:
-        """Checks the call's token on its headers; a refused call is answered (and this raises)."""
+    async def put(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _admit(servicer, context, "Put")
         try:
-            self._authenticate(context, name)
-        except Exception as exc:  # noqa: BLE001 - refused with a status, never a crash
-            await _refuse(context, name, exc)
-
-    async def _admit_and_read(self, context: grpc.aio.ServicerContext, name: str) -> Any:
-        """The token check, then the call's one request message."""
-        await self._admit(context, name)
-        request = await context.read()
-        if request is grpc.aio.EOF:
-            await _refuse(context, name, _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"the {name} call carried no request."))
-        return request
-
-    def _wake(self, key: tuple[Any, ...]) -> None:
-        for fut in self._waiters.pop(key, ()):
-            if not fut.done():
-                fut.set_result(None)
-
-    def wake_all(self) -> None:
-        """Every waiter re-checks its condition (after a failure, abort or stop)."""
-        waiters, self._waiters = self._waiters, {}
-        for futs in waiters.values():
-            for fut in futs:
-                if not fut.done():
-                    fut.set_result(None)
-
-    def _budget(self, wait_s: float, remaining_call: float | None) -> float:
-        """How long a wait may last: what the caller asked, bounded."""
-        # Why: wait_s comes off the wire; NaN, negative or absurd values must not hang or crash.
-        budget = wait_s if wait_s == wait_s and wait_s > 0 else 0.0
-        budget = min(budget, self._owner.max_wait_s)
-        if remaining_call is not None:
-            budget = min(budget, remaining_call - _ANSWER_MARGIN_S)
-        return max(0.0, budget)
-
-    def _check_waiting(self, what: str, fail_fast: bool = True) -> None:
-        """Raises what ends a wait that is not done: a failed job (when ``fail_fast``) or a
-        coordinator that is shutting down."""
-        if fail_fast:
-            self._state.check_not_failed(what)
-        if self._owner._closing:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, f"{what}: the coordinator is shutting down.")
-
-    async def _finish(self, parked: _Parked, wait_s: float, context: Any) -> Any:
-        """Waits (bounded) for a parked operation and answers it as its RPC does."""
-        (member,) = parked.members
-        member.active_calls += 1
-        try:
-            ok = await self._wait(parked.key, parked.done, wait_s, context, parked.what)
-        finally:
-            member.active_calls -= 1
-            member.last_seen = self._now()
-        if not ok:
-            raise parked.timed_out()
-        return parked.response()
-
-    async def _wait(
-        self,
-        key: tuple[Any, ...],
-        done: Callable[[], bool],
-        wait_s: float,
-        context: grpc.aio.ServicerContext,
-        what: str,
-        *,
-        fail_fast: bool = True,
-    ) -> bool:
-        """Waits until ``done()``, a failure (raised when ``fail_fast``), or the bounded wait
-        ends; returns ``done()``."""
-        deadline = self._loop.time() + self._budget(wait_s, context.time_remaining())
-        while True:
-            # Why done() first: what already completed (a message delivered, a barrier passed)
-            # is still handed out after a failure; only waiting is refused.
-            if done():
-                return True
-            self._check_waiting(what, fail_fast)
-            remaining = deadline - self._loop.time()
-            if remaining <= 0:
-                return False
-            fut: asyncio.Future[None] = self._loop.create_future()
-            futs = self._waiters.setdefault(key, [])
-            futs.append(fut)
-            timer = self._loop.call_later(remaining, _settle, fut)
-            try:
-                await fut
-            finally:
-                timer.cancel()
-                if self._waiters.get(key) is futs:
-                    # Why: a wake pops the whole list; a list still here means this wait timed
-                    # out or was cancelled, so drop the future and keep abandoned waits (a Get
-                    # for a key that never comes) from piling up.
-                    try:
-                        futs.remove(fut)
-                    except ValueError:
-                        pass
-                    if not futs:
-                        del self._waiters[key]
-
-    def _caller(self, caller: pb.Caller, what: str, now: float | None = None) -> Any:
-        state = self._state
-        member = state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, what)
-        member.last_seen = self._now() if now is None else now
-        return member
-
-    def _on_failure(self) -> None:
-        self._owner._set_serving(False)
-        self.wake_all()
-        self._note_departures()
-
-    def _note_departures(self) -> None:
-        """Lets a stop() that waits for every rank to leave (or fail) go on."""
-        if self._state.all_left():
-            self._owner._all_left.set()
-
-    # ------------------------------------------------------------------ RPCs
-    @_handler
-    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse:
-        state = self._state
-        now = self._now()
-        was_failed = state.failed
-        try:
-            completed = state.join(
-                request.job_id, request.rank, request.world_size, request.incarnation, request.hostname, now
-            )
-        except StateError:
-            if state.failed and not was_failed:
-                # Why: the join marked a rank failed (a restarted process): tell everyone now.
-                log.error("coordinator: %s", state.failures[0].reason)
-                self._on_failure()
-            raise
-        member = state.members[request.rank]
-        if completed:
-            log.info("coordinator: all %d ranks joined; generation %d", state.world_size, state.generation)
-            self._wake(("join",))
-        member.active_calls += 1
-        try:
-            ok = await self._wait(("join",), lambda: state.complete, request.wait_s, context, f"join of rank {request.rank}")
-        finally:
-            member.active_calls -= 1
-            member.last_seen = self._now()
-        if state.members.get(request.rank) is not member:
-            raise _Abort(grpc.StatusCode.ABORTED, f"rank {request.rank} was replaced by a newer process while joining.")
-        if not ok:
-            missing = state.missing_join()
-            raise _Abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"{len(missing)} of {state.world_size} ranks have not joined: {_bounded(missing)}",
-                ((MISSING_KEY, _ranks_text(missing)),),
-            )
-        return pb.JoinResponse(
-            generation=state.generation,
-            world_size=state.world_size,
-            # Members are not sent: O(world size) per join is O(world size^2) per rendezvous;
-            # Status lists them for who needs them.
-            heartbeat_timeout_s=self._owner.heartbeat_timeout_s,
-        )
-
-    @_handler
-    async def Set(self, request: pb.SetRequest, context: grpc.aio.ServicerContext) -> pb.SetResponse:
-        member = self._caller(request.caller, "set")
-        state = self._state
-        state.check_not_failed("set")
-        if request.total_bytes:
-            if not state.set_piece(member.rank, request.key, request.offset, request.total_bytes, request.value):
-                return pb.SetResponse()
-        else:
-            state.set(request.key, request.value)
-        self._wake(("kv", request.key))
-        return pb.SetResponse()
-
-    def _admit_get(self, request: pb.GetRequest, caller: pb.Caller, shared: tuple[Any, ...] | None = None) -> Member:
-        """A get's checks of one caller (each member of a Session group passes its own;
-        ``shared``: what _shared_fields read once for the group)."""
-        return self._caller(caller, "get", None if shared is None else shared[0])  # type: ignore[no-any-return]
-
-    def _begin_get(self, request: pb.GetRequest, members: Sequence[Member]) -> pb.GetResponse | _Parked:
-        """The value, or what to wait for; ``members`` (the caller, or a Session group) were admitted."""
-        state = self._state
-        key = request.key
-        value = state.get(key)  # validates the key
-        if value is not None:
-            return self._value_response(key, value, request)
-        if request.offset:
-            raise _Abort(grpc.StatusCode.ABORTED, f"key {quote(key)} is no longer set; read it again from offset 0.")
-        return _Parked(
-            members, ("kv", key), lambda: key in state.kv, f"get of {quote(key)}",
-            lambda: self._value_response(key, state.kv[key], request),
-            lambda: _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"key {quote(key)} was not set within {request.wait_s:.1f} s"),
-        )
-
-    def _value_response(self, key: str, value: bytes, request: pb.GetRequest) -> pb.GetResponse:
-        """A value, or its piece from request.offset when it is larger than one message."""
-        offset = request.offset
-        if not offset and len(value) <= CHUNK_BYTES:
-            return pb.GetResponse(value=value)
-        version = self._state.version(key)
-        if offset:
-            if request.version != version:
-                raise _Abort(grpc.StatusCode.ABORTED,
-                             f"key {quote(key)} was set again while it was read in pieces; read it again from offset 0.")
-            if offset >= len(value):
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"offset {offset} is past the end of key {quote(key)} ({len(value)} bytes).")
-        return pb.GetResponse(value=value[offset : offset + CHUNK_BYTES], total_bytes=len(value), version=version)
-
-    @_handler
-    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> pb.GetResponse:
-        begun = self._begin_get(request, (self._admit_get(request, request.caller),))
-        if isinstance(begun, _Parked):
-            return await self._finish(begun, request.wait_s, context)  # type: ignore[no-any-return]
-        return begun
-
-    def _shared_fields(self, request: Any) -> tuple[Any, ...]:
-        """What every member of a Session group of gets or barriers shares, read once for the
-        group: the time, and a barrier's name, seq and participants. Why: each read of a
-        protobuf field makes a new Python object, and this ran once per rank per barrier."""
-        now = self._now()
-        if type(request) is pb.BarrierRequest:
-            return now, request.name, request.seq, request.participants
-        return (now,)
-
-    def _admit_barrier(self, request: pb.BarrierRequest, caller: pb.Caller,
-                       shared: tuple[Any, ...] | None = None) -> Member:
-        """One caller's checks and arrival (each member of a Session group passes its own;
-        ``shared``: what _shared_fields read once for the group)."""
-        if shared is None:
-            shared = self._shared_fields(request)
-        now, name, seq, participants = shared
-        state = self._state
-        member = self._caller(caller, "barrier", now)
-        barrier = state.barriers.get(name)
-        # Why the guards: this runs once per rank per barrier, and a name already in use passed
-        # the name check when its barrier opened.
-        if barrier is None:
-            state.check_barrier_name(name)
-        if state._failed:  # the failed property, without its frame
-            state.check_not_failed(f"barrier {quote(name)}")
-        before = barrier.completed if barrier is not None else 0
-        completed = state.arrive(name, member.rank, seq, now, participants)
-        for done_seq in range(before + 1, completed + 1):
-            self._wake(("barrier", name, done_seq))
-        return member  # type: ignore[no-any-return]
-
-    def _begin_barrier(self, request: pb.BarrierRequest, members: Sequence[Member]) -> pb.BarrierResponse | _Parked:
-        """Done, or what to wait for; ``members`` (the caller, or a Session group) arrived already."""
-        state = self._state
-        name, seq = request.name, request.seq
-        # Why there is a barrier: an admitted arrival opened it.
-        completed = state.barriers[name].completed
-        if completed >= seq:
-            return pb.BarrierResponse(seq=seq)
-        blocker = state.barrier_blocker(name, seq)
-        if blocker is not None:
-            raise _Abort(
-                grpc.StatusCode.ABORTED,
-                f"barrier {quote(name)} #{seq} cannot complete: rank {blocker.rank} left the job before arriving",
-                ((FAILED_KEY, str(blocker.rank)),),
-            )
-        barrier = state.barriers[name]
-
-        def timed_out() -> _Abort:
-            missing = state.barrier_missing(name, seq)
-            return _Abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"barrier {quote(name)} #{seq}: {len(missing)} of {state.world_size} ranks have not arrived: "
-                f"{_bounded(missing)}",
-                ((MISSING_KEY, _ranks_text(missing)),),
-            )
-
-        return _Parked(members, ("barrier", name, seq), lambda: barrier.completed >= seq, f"barrier {quote(name)}",
-                       lambda: pb.BarrierResponse(seq=seq), timed_out)
-
-    @_handler
-    async def Barrier(self, request: pb.BarrierRequest, context: grpc.aio.ServicerContext) -> pb.BarrierResponse:
-        begun = self._begin_barrier(request, (self._admit_barrier(request, request.caller),))
-        if isinstance(begun, _Parked):
-            return await self._finish(begun, request.wait_s, context)  # type: ignore[no-any-return]
-        return begun
-
-    @_handler
-    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
-        """Long-poll: answered after wait_s or as soon as any rank fails, with every failure."""
-        state = self._state
-        member = self._caller(request.caller, "heartbeat")
-        state.heartbeat(member.rank, self._now())
-        beat = member.last_heartbeat
-        try:
-            await self._wait(("failure",), lambda: state.failed, min(request.wait_s, self._owner.heartbeat_timeout_s),
-                             context, "heartbeat", fail_fast=False)
-        except asyncio.CancelledError:
-            # Why: the call ended without an answer: the caller's process died or its network
-            # went away (or it merely re-dials). Give it a moment to heartbeat again, then fail it.
-            self._loop.call_later(self._owner.connection_grace_s, self._check_lost, member, beat)
-            raise
-        return pb.HeartbeatResponse(failures=[_failure_pb(f) for f in state.failures])
-
-    def _check_lost(self, member: Member, beat: float | None) -> None:
-        if member.state is MemberState.JOINED and member.last_heartbeat == beat \
-                and self._state.members.get(member.rank) is member:
-            self._fail(member.rank, f"rank {member.rank} on {member.hostname or '?'} lost its connection to the "
-                       "coordinator without leaving (process killed, crashed, or network cut)")
-
-    def _fail(self, rank: int, reason: str) -> None:
-        failure = self._state.fail(rank, reason, -1, self._now())
-        if failure is not None:
-            log.error("coordinator: %s", reason)
-            self._on_failure()
-
-    async def watch_liveness(self) -> None:
-        """Marks failed every heartbeating rank silent for longer than the heartbeat timeout."""
-        timeout = self._owner.heartbeat_timeout_s
-        period = max(0.05, min(1.0, timeout / 4))
-        while not self._owner._closing:
-            await asyncio.sleep(period)
-            for rank in self._state.expired(self._now(), timeout):
-                member = self._state.members[rank]
-                why = ("sent no heartbeat within {t:g} s of the rendezvous (died while joining?)"
-                       if member.last_heartbeat is None else
-                       "sent no heartbeat for {t:g} s (hung, partitioned, or overloaded)").format(t=timeout)
-                self._fail(rank, f"rank {rank} on {member.hostname or '?'} {why}")
-
-    @_handler
-    async def ReportFailure(
-        self, request: pb.ReportFailureRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ReportFailureResponse:
-        rank = request.caller.rank
-        self._caller(request.caller, "report_failure")
-        failure = self._state.fail(rank, request.reason or "reported an error", rank, self._now())
-        if failure is not None:
-            log.error("coordinator: rank %d reported a failure: %s", rank, failure.reason)
-            self._on_failure()
-        return pb.ReportFailureResponse()
-
-    @_handler
-    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
-        state = self._state
-        caller = request.caller
-        member = state.members.get(caller.rank)
-        if member is None or member.state is not MemberState.LEFT or member.incarnation != caller.incarnation:
-            state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, "leave")
-        state.leave(caller.rank, self._now())
-        # Why: barriers waiting on this rank can never complete; let them fail now.
-        self.wake_all()
-        self._note_departures()
-        return pb.LeaveResponse()
-
-    async def Put(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        """Receives one message in chunks; waits (bounded) for room in the mailbox first."""
-        reserved = 0
-        mailbox = self._state.mailbox
-        try:
-            first = await context.read()
-            if first is grpc.aio.EOF:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "Put carried no chunk.")
-            if first is _UNDECODABLE:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "the first chunk of a Put is not a valid gridcomm.v1.Chunk.")
-            self._caller(first.caller, "put")
-            key, total, readers = first.key, first.total_bytes, first.readers
-            mailbox.check(key, total, readers)
-            ok = await self._wait(("mailbox-room",), lambda: mailbox.has_room(total), self._owner.timeout_s, context,
-                                  f"put of {quote(key)}")
-            if not ok:
-                raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"no room for message {quote(key)} ({total} bytes): the mailbox holds {mailbox.used} of "
-                             f"{mailbox.max_bytes} bytes and nobody took them.")
-            mailbox.reserve(total)
-            reserved = total
-            parts = [first.data]
-            received = len(first.data)
-            # Read to the end of the stream: a surplus after the announced size is refused, not dropped.
-            while received <= total:
-                chunk = await context.read()
-                if chunk is grpc.aio.EOF:
-                    break
-                if chunk is _UNDECODABLE:
-                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"a chunk of message {quote(key)} is not a valid "
-                                 "gridcomm.v1.Chunk.")
-                received += len(chunk.data)
-                parts.append(chunk.data)
-            if received != total:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"message {quote(key)} announced {total} bytes but carried {received}.")
-            mailbox.publish(key, b"".join(parts), readers)
-            reserved = 0
-            self._wake(("mailbox", key))
-            return pb.PutResponse()
+            return await servicer.put(context)
         except Exception as exc:  # noqa: BLE001 - the coordinator must survive any request
             await _refuse(context, "Put", exc)
-        finally:
-            if reserved:
-                mailbox.release(reserved)
-                self._wake(("mailbox-room",))
-        raise AssertionError("unreachable")
 
-    async def Take(self, request: pb.TakeRequest, context: grpc.aio.ServicerContext) -> Any:
-        """Waits for a message and streams it back in chunks."""
-        mailbox = self._state.mailbox
+    async def take(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _admit(servicer, context, "Take")
         try:
-            if request is _UNDECODABLE:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "the Take request body is not a valid gridcomm.v1.TakeRequest.")
-            member = self._caller(request.caller, "take")
-            key = request.key
-            mailbox.check_key(key)
-            member.active_calls += 1
-            try:
-                ok = await self._wait(("mailbox", key), lambda: key in mailbox.messages, request.wait_s, context,
-                                      f"take of {quote(key)}")
-            finally:
-                member.active_calls -= 1
-                member.last_seen = self._now()
-            if not ok:
-                raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                             f"message {quote(key)} did not arrive within {request.wait_s:.1f} s")
-            data = mailbox.take(key)
-            assert data is not None
-            if key not in mailbox.messages:
-                self._wake(("mailbox-room",))
+            data = await servicer.take(await _read_request(context, "Take"), context)
         except Exception as exc:  # noqa: BLE001 - the coordinator must survive any request
             await _refuse(context, "Take", exc)
-            return
         view = memoryview(data)
         if not data:
             yield pb.Chunk(total_bytes=0)
         for offset in range(0, len(data), CHUNK_BYTES):
             yield pb.Chunk(total_bytes=len(data), data=bytes(view[offset : offset + CHUNK_BYTES]))
 
-    async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        """Batched operations on one stream; each answers as its unary RPC would (see the proto)."""
-        await context.send_initial_metadata(((SESSION_FEATURES_KEY, SESSION_FEATURES),))
-        await _ServerSession(self, context).serve()
+    async def session(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        """Operations on one stream; each answers as its unary RPC would (see the proto)."""
+        await _admit(servicer, context, "Session")
+        await ServerSession(servicer, context).serve()
 
-    @_handler
-    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
-        state = self._state
-        now = self._now()
-        return pb.StatusResponse(
-            job_id=state.job_id,
-            world_size=state.world_size,
-            generation=state.generation,
-            members=[_member_pb(m) for m in sorted(state.members.values(), key=lambda m: m.rank)],
-            missing_ranks=state.missing_join(),
-            barriers=[
-                pb.BarrierStatus(name=n, seq=s, arrived_ranks=a, missing_ranks=m, waiting_s=w)
-                for n, s, a, m, w in state.pending_barriers(now)
-            ],
-            failures=[_failure_pb(f) for f in state.failures],
-            uptime_s=now - state.started_at,
-            serving=self._owner.serving,
-        )
+    return {
+        "Join": _unary(servicer, "Join", Servicer.join),
+        "Set": _unary(servicer, "Set", Servicer.set),
+        "Get": _unary(servicer, "Get", Servicer.get),
+        "Barrier": _unary(servicer, "Barrier", Servicer.barrier),
+        "Heartbeat": _unary(servicer, "Heartbeat", Servicer.heartbeat),
+        "ReportFailure": _unary(servicer, "ReportFailure", Servicer.report_failure),
+        "Leave": _unary(servicer, "Leave", Servicer.leave),
+        "Status": _unary(servicer, "Status", Servicer.status),
+        "Put": put,
+        "Take": take,
+        "Session": session,
+    }
 
 
-class _SessionWait:
-    """A parked Session operation, standing in its wait list where a unary call's future would
-    (``_Servicer._wake`` calls done() and set_result()); re-checked at each wake-up, answered
-    at its deadline like the unary wait."""
-
-    __slots__ = ("_session", "_id", "_also", "_kind", "_parked", "_finished", "_timer")
-
-    def __init__(self, session: _ServerSession, ids: Sequence[int], kind: str, parked: _Parked, wait_s: float) -> None:
-        self._session = session
-        self._id = ids[0]
-        #: The other members of a group (their op ids), answered by the same result.
-        self._also = ids[1:]
-        self._kind = kind
-        self._parked = parked
-        self._finished = False
-        self._timer: asyncio.TimerHandle | None = None
-        for member in parked.members:
-            member.active_calls += 1
-        session._parked.add(self)
-        # The unary wait's first round: a failed job or a closing coordinator answers at once.
-        self.set_result(None)
-        if not self._finished:
-            servicer = session._servicer
-            self._timer = servicer._loop.call_later(servicer._budget(wait_s, None), self._expire)
-
-    def done(self) -> bool:
-        return self._finished
-
-    def set_result(self, _: object) -> None:
-        """Woken: answer if the wait is over (done, failed, closing), else wait again."""
-        if self._finished:
-            return
-        parked = self._parked
-        servicer = self._session._servicer
-        try:
-            if not parked.done():
-                servicer._check_waiting(parked.what)
-                servicer._waiters.setdefault(parked.key, []).append(self)  # type: ignore[arg-type]
-                return
-        except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
-            self._end(exc)
-            return
-        self._end()
-
-    def _expire(self) -> None:
-        if self._finished:
-            return
-        self._unlist()
-        self._end(None if self._parked.done() else self._parked.timed_out())
-
-    def _unlist(self) -> None:
-        waiters = self._session._servicer._waiters
-        futs = waiters.get(self._parked.key)
-        if futs is not None:
-            try:
-                futs.remove(self)  # type: ignore[arg-type]
-            except ValueError:
-                pass
-            if not futs:
-                del waiters[self._parked.key]
-
-    def _release(self) -> None:
-        self._finished = True
-        if self._timer is not None:
-            self._timer.cancel()
-        now = self._session._servicer._now()
-        for member in self._parked.members:
-            member.active_calls -= 1
-            member.last_seen = now
-        self._session._parked.discard(self)
-
-    def _end(self, refusal: Exception | None = None) -> None:
-        """Answers the operation (and the rest of its group): its response, or ``refusal``'s status."""
-        self._release()
-        session = self._session
-        if refusal is None:
-            try:
-                result = pb.SessionResult(id=self._id, also=self._also, **{self._kind: self._parked.response()})
-            except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
-                refusal = exc
-        if refusal is not None:
-            result = session._refused(self._id, f"Session {self._kind}", refusal, self._also)
-        session._answer(result)
-
-    def drop(self) -> None:
-        """The stream ended: nobody to answer."""
-        if not self._finished:
-            self._release()
-            self._unlist()
-
-
-class _OpContext:
-    """What a Session operation passes where a unary handler gets its call context: no call
-    deadline of its own (the operation's wait_s bounds every wait)."""
-
-    @staticmethod
-    def time_remaining() -> None:
-        return None
-
-
-#: The checks and logic the other Session operations run, as a task each: the unary handler
-#: without its call wrapper.
-_SESSION_METHODS: dict[str, Callable[..., Awaitable[Any]]] = {
-    "join": _Servicer.Join.__wrapped__,  # type: ignore[attr-defined]
-    "set": _Servicer.Set.__wrapped__,  # type: ignore[attr-defined]
-    "leave": _Servicer.Leave.__wrapped__,  # type: ignore[attr-defined]
-}
-#: The operations that come by the thousand (barriers, a rendezvous's gets), in two steps: the
-#: checks (and arrival) of one caller, then, once for all the callers of a group, what answers
-#: at once or what to wait for. They wait without a task each, and may be grouped (SessionOp.also).
-_SESSION_PARKING: dict[str, tuple[Callable[[_Servicer, Any, pb.Caller, tuple[Any, ...]], Member],
-                                   Callable[[_Servicer, Any, Sequence[Member]], Any]]] = {
-    "barrier": (_Servicer._admit_barrier, _Servicer._begin_barrier),
-    "get": (_Servicer._admit_get, _Servicer._begin_get),
-}
-
-
-class _ServerSession:
-    """One Session stream: reads batches of operations, runs each (barriers and gets parked in
-    the wait lists, the rest as a task), and writes the results that completed since the last
-    write as one reply (so N waiters released together
-    cost one message per stream, not N calls)."""
-
-    def __init__(self, servicer: _Servicer, context: grpc.aio.ServicerContext) -> None:
-        self._servicer = servicer
-        self._context = context
-        self._results: list[pb.SessionResult] = []
-        self._ready = asyncio.Event()
-        self._closing = False
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._parked: set[_SessionWait] = set()
-        # Why a bound: a client that sends operations that never complete (gets of keys nobody
-        # sets) must not grow the coordinator without limit.
-        self._max_ops = max(1024, 2 * servicer._state.world_size + 64)
-
-    async def serve(self) -> None:
-        writer = asyncio.ensure_future(self._write())
-        try:
-            while True:
-                request = await self._context.read()
-                if request is grpc.aio.EOF:
-                    break
-                if request is _UNDECODABLE:
-                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                 "a Session request is not a valid gridcomm.v1.SessionRequest.")
-                for op in request.ops:
-                    self._start(op)
-            # The client is done sending: answer what is in flight (each op's wait is bounded).
-            while self._tasks or self._parked:
-                if self._tasks:
-                    await asyncio.wait(set(self._tasks))
-                else:
-                    await asyncio.sleep(0.05)
-            self._closing = True
-            self._ready.set()
-            await writer
-        except Exception as exc:  # noqa: BLE001 - refused with a status, never a crash
-            # Why first: a reply still being written makes the abort fail (too many operations
-            # on the call) and leaves the stream hanging; let that write end, drop the rest.
-            self._results = []
-            self._closing = True
-            self._ready.set()
-            try:
-                await asyncio.wait_for(writer, 5.0)
-            except BaseException:  # noqa: BLE001 - a writer that fails or hangs: abort anyway
-                pass
-            await _refuse(self._context, "Session", exc)
-        finally:
-            for task in list(self._tasks):
-                task.cancel()
-            for parked in list(self._parked):
-                parked.drop()
-            writer.cancel()
-
-    def _answer(self, result: pb.SessionResult) -> None:
-        self._results.append(result)
-        self._ready.set()
-
-    def _refused(self, op_id: int, name: str, exc: Exception, also: Sequence[int] = ()) -> pb.SessionResult:
-        code, details, metadata = _status_of(name, exc)
-        return pb.SessionResult(id=op_id, also=also, code=code.value[0], details=details,
-                                metadata=[pb.MetadataEntry(key=k, value=v) for k, v in metadata])
-
-    def _start(self, op: pb.SessionOp) -> None:
-        kind = op.WhichOneof("op")
-        if kind is None:
-            self._answer(self._refused(op.id, "Session", _Abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"Session operation {op.id} names no operation.")))
-            return
-        waiting = len(self._tasks) + len(self._parked)
-        if waiting >= self._max_ops:
-            self._answer(self._refused(op.id, f"Session {kind}", _Abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{kind} refused: this Session stream already has {waiting} operations waiting.")))
-            return
-        steps = _SESSION_PARKING.get(kind)
-        if steps is not None:
-            self._start_parking(op, kind, steps)
-            return
-        if op.also:
-            self._answer(self._refused(op.id, f"Session {kind}", _Abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"a Session {kind} cannot be grouped; only get and barrier can."),
-                [member.id for member in op.also]))
-            return
-        task = asyncio.ensure_future(self._run(op.id, kind, getattr(op, kind)))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _start_parking(self, op: pb.SessionOp, kind: str, steps: tuple[Callable[..., Any], Callable[..., Any]]) -> None:
-        """A get or barrier, alone or grouped. Why no task: the waits that come by the thousand
-        (barriers, the gets of a rendezvous) are answered from the wake-up itself, without a
-        coroutine each. A group (op.also: the same operation by other ranks of this stream)
-        costs one wait and one result; each member passes its own checks, and a member that
-        fails them is answered on its own, with what its unary call would have got."""
-        admit, begin = steps
-        servicer = self._servicer
-        request = getattr(op, kind)
-        name = f"Session {kind}"
-        if len(op.also) >= servicer._state.world_size:
-            self._answer(self._refused(op.id, name, _Abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"a Session {kind} group of {len(op.also) + 1} callers is larger than the job "
-                f"({servicer._state.world_size} ranks)."), [member.id for member in op.also]))
-            return
-        ids: list[int] = []
-        members: list[Member] = []
-        servicer.grouped += len(op.also)
-        callers = [(op.id, request.caller)]
-        callers.extend((member.id, member.caller) for member in op.also)
-        shared = servicer._shared_fields(request)
-        for op_id, caller in callers:
-            try:
-                members.append(admit(servicer, request, caller, shared))
-            except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
-                self._answer(self._refused(op_id, name, exc))
-                continue
-            ids.append(op_id)
-        if not ids:
-            return
-        try:
-            begun = begin(servicer, request, members)
-        except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
-            self._answer(self._refused(ids[0], name, exc, ids[1:]))
-            return
-        if isinstance(begun, _Parked):
-            _SessionWait(self, ids, kind, begun, request.wait_s)
-        else:
-            self._answer(pb.SessionResult(id=ids[0], also=ids[1:], **{kind: begun}))
-
-    async def _run(self, op_id: int, kind: str, request: Any) -> None:
-        try:
-            reply = await _SESSION_METHODS[kind](self._servicer, request, _OpContext)
-        except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
-            self._answer(self._refused(op_id, f"Session {kind}", exc))
-            return
-        self._answer(pb.SessionResult(id=op_id, **{kind: reply}))
-
-    async def _write(self) -> None:
-        while True:
-            if not self._results:
-                if self._closing:
-                    return
-                await self._ready.wait()
-                self._ready.clear()
-                continue
-            batch, self._results = self._results, []
-            await self._context.write(pb.SessionReply(results=batch))
-
-
-def _settle(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-def _member_pb(member: Any) -> pb.Member:
-    return pb.Member(
-        rank=member.rank,
-        hostname=member.hostname,
-        incarnation=member.incarnation,
-        state=int(member.state),  # type: ignore[arg-type]
-        joined_at_unix_s=time.time() - (time.monotonic() - member.joined_at),
-    )
-
-
-def _failure_pb(failure: Any) -> pb.Failure:
-    return pb.Failure(
-        rank=failure.rank,
-        reason=failure.reason,
-        at_unix_s=time.time() - (time.monotonic() - failure.at),
-        reported_by=failure.reported_by,
-    )
+def _register(servicer: Servicer, server: grpc.aio.Server) -> None:
+    """Registers the Coordinator service like the generated helper, but with the handlers above
+    and deserializers that turn an undecodable body into a sentinel refused with
+    INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN)."""
+    handlers = _handlers(servicer)
+    methods = {}
+    for method in pb.DESCRIPTOR.services_by_name["Coordinator"].methods:
+        make = grpc.stream_stream_rpc_method_handler if method.server_streaming else grpc.stream_unary_rpc_method_handler
+        methods[method.name] = make(handlers[method.name],
+                                    request_deserializer=_parser(getattr(pb, method.input_type.name)),
+                                    response_serializer=getattr(pb, method.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, methods),))
 
 
 class Coordinator:
@@ -1113,7 +227,7 @@ class Coordinator:
         self._stop_requested: asyncio.Event | None = None
         self._all_left = threading.Event()
         self._closing = False
-        self._servicer: _Servicer | None = None
+        self._servicer: Servicer | None = None
         self._health: Any = None
         self._main: GuardedServer | None = None
         self._health_server: GuardedServer | None = None
@@ -1181,7 +295,7 @@ class Coordinator:
 
     async def _serve(self) -> None:
         self._stop_requested = asyncio.Event()
-        self._servicer = _Servicer(self)
+        self._servicer = Servicer(self)
         self._health = BoundedHealth()
         servicer, health_servicer = self._servicer, self._health
 

@@ -1,13 +1,13 @@
 """The Session stream (join/set/get/barrier/leave over one long-lived bidi stream) against real
 coordinators on loopback, with real clients (threads, one per rank) and hand-made wire traffic.
 
-1. Equivalence: the same flows and the same failures in every GRIDCOMM_SESSION mode (process,
-   client, off): join, set/get, 20 back-to-back barriers of 8 ranks, barrier/get/join timeouts
+1. Equivalence: the same flows and the same failures in every GRIDCOMM_SESSION mode (client,
+   off): join, set/get, 20 back-to-back barriers of 8 ranks, barrier/get/join timeouts
    naming the missing ranks, wrong token, nothing listening, a rank that reports a failure. Error
    types, missing ranks, failed rank and message text are compared across the modes.
-2. Sharing: from the server side (this process's accepted TCP connections to the coordinator's
-   port, read from /proc/net/tcp), "process" mode carries every client on one connection,
-   "client" mode on one each; the last client to close closes the connection.
+2. Connections: from the server side (this process's accepted TCP connections to the
+   coordinator's port, read from /proc/net/tcp), every client has a stream and a connection of
+   its own (a rank stands for a pod); the last client to close closes its connection.
 3. The raw protocol, with the generated stub and with byte-level channels: one request answered by
    id, an operation with no oneof, each operation answering exactly as its unary RPC (code,
    details, gridcomm-* trailers), undecodable bytes, the per-stream bound on waiting operations,
@@ -16,13 +16,8 @@ coordinators on loopback, with real clients (threads, one per rank) and hand-mad
    unary RPCs to a real coordinator, as an older coordinator would answer), and a stream cut
    mid-wait by a TCP proxy between client and coordinator.
 5. Idempotence: the same barrier arrival (same seq) sent twice on a stream is counted once.
-6. Groups (SessionOp.also): the coordinator advertises them; a grouped barrier arrives for every
-   member and is answered by one result; a refused member is answered alone, as its unary call;
-   a grouped get; groups of what cannot be grouped, or larger than the job, are refused for every
-   member; the threads of one process are grouped end to end and still see their own errors; no
-   groups go to a coordinator that does not advertise them; an operation held for the other
-   clients of a stream still goes out when they never make it; closing the clients ends an
-   operation in flight at once.
+6. Identity and close: a changed generation is what every path sends; closing the clients ends
+   an operation in flight at once.
 """
 
 from __future__ import annotations
@@ -34,7 +29,6 @@ import gc
 import os
 import queue
 import re
-import signal
 import socket
 import threading
 import time
@@ -46,7 +40,6 @@ import grpc
 import pytest
 
 import gridcomm
-from gridcomm import _session
 from gridcomm._client import fetch_status
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
@@ -63,7 +56,7 @@ from tests.test_fuzz import (
     start_coordinator,
 )
 
-MODES = ("process", "client", "off")
+MODES = ("client", "off")
 #: Bound on any single wait in these tests (a hang fails the test instead of stalling it).
 WAIT_S = 20.0
 #: Unary calls of an old coordinator that the forwarding server passes through.
@@ -262,11 +255,10 @@ def test_join_set_get_and_20_barriers_of_8_ranks(coordinator_factory, mode):
         # Why back to back: a rank released from #k arrives at #k+1 while others are still being
         # released from #k (the pattern that deadlocks cupyx's store-based barrier).
         assert on_threads(twenty, ranks) == [20] * world
-        # The flow travelled as the mode says: one stream for the process, one per client, or
-        # each client's own unary channel. Counted before the Status call below, whose own
+        # The flow travelled as the mode says: each client's own stream, or its own unary channel. Counted before the Status call below, whose own
         # connection can still be open on the server's side for a moment after the call (seen
         # once in about 50 runs of make test: 9 connections for 8 clients in mode "off").
-        assert server_connections(server.port) == (1 if mode == "process" else world)
+        assert server_connections(server.port) == world
         assert pending_barrier(server.port, "loop") is None
         on_threads(lambda c: c.leave(), ranks)
     assert server.wait_all_left(5.0)
@@ -275,15 +267,13 @@ def test_join_set_get_and_20_barriers_of_8_ranks(coordinator_factory, mode):
 
 def per_call(via: str, timeout_s: float) -> dict[str, float]:
     """A get's or barrier's keyword arguments: its own timeout (``via`` "call"), or none, so that
-    it takes the client's (``via`` "client": the path that sends its first slice straight to the
-    stream)."""
+    it takes the client's (``via`` "client")."""
     return {"timeout_s": timeout_s} if via == "call" else {}
 
 
 def error_outcomes(mode: str, factory: Callable[..., gridcomm.Coordinator], via: str = "call") -> dict[str, Any]:
     """Every failure a client can see, in one mode; each on a coordinator of its own. ``via``:
-    whether get and barrier are given their timeout per call, or take the client's (the path
-    that sends a get's or barrier's first slice straight to the stream)."""
+    whether get and barrier are given their timeout per call, or take the client's."""
     out: dict[str, Any] = {}
 
     def made(port: int, world: int, timeout_s: float, **kwargs: Any) -> Any:
@@ -351,7 +341,7 @@ def test_every_mode_fails_the_same_way(coordinator_factory):
 
 @pytest.mark.timeout(30)
 # A parked Session get answers a failed job at once, like the unary wait (a bug found here, fixed).
-@pytest.mark.parametrize("mode", ["process", "client", "off"])
+@pytest.mark.parametrize("mode", MODES)
 def test_get_after_a_rank_failed_raises_rank_failed_at_once(coordinator_factory, mode):
     server = coordinator_factory(3)
     with clients(server.port, 3, mode) as ranks:
@@ -374,33 +364,35 @@ def test_get_after_a_rank_failed_raises_rank_failed_at_once(coordinator_factory,
 
 
 @pytest.mark.timeout(60)
-def test_process_mode_shares_one_stream_and_client_mode_opens_one_each(coordinator_factory):
-    world = 16
+def test_every_client_has_a_stream_and_a_connection_of_its_own(coordinator_factory):
+    """A rank stands for a pod: the clients of one process share nothing, and a client's calls
+    (a barrier of its own after the others left) still travel on its own stream. (The last
+    client to close closes its connection: see the next test.)"""
+    world = 6
     server = coordinator_factory(world)
-    shared_ranks, own_ranks = range(0, 10), range(10, 16)
-    with clients(server.port, world, "process", ranks=shared_ranks) as shared, \
-            clients(server.port, world, "client", ranks=own_ranks) as own:
-        everyone = shared + own
-        on_threads(lambda c: c.join(), everyone)
-        on_threads(lambda c: c.barrier("together", timeout_s=10.0), everyone)
-        shared[0].set("k", b"v")
-        assert on_threads(lambda c: c.get("k", timeout_s=5.0), everyone) == [b"v"] * world
-        # Ten clients of one process on one connection, six clients on six.
-        assert server_connections(server.port) == 1 + len(own_ranks)
-        for c in shared[:-1]:
+    with clients(server.port, world, "client") as made:
+        on_threads(lambda c: c.join(), made)
+        on_threads(lambda c: c.barrier("together", timeout_s=10.0), made)
+        made[0].set("k", b"v")
+        assert on_threads(lambda c: c.get("k", timeout_s=5.0), made) == [b"v"] * world
+        assert server_connections(server.port) == world
+        streams = {id(c._session) for c in made}
+        assert len(streams) == world and None not in {c._session for c in made}
+        for c in made[:-1]:
             c.leave()
-        # The stream stays while any of its clients does; the last one's calls still travel on it.
-        shared[-1].barrier("last", timeout_s=0.2, participants=[shared_ranks[-1]])
-        assert server_connections(server.port) == 1 + len(own_ranks)
-        on_threads(lambda c: c.leave(), [shared[-1], *own])
+        made[-1].barrier("last", timeout_s=0.2, participants=[world - 1])
+        made[-1].leave()
     assert server.wait_all_left(5.0)
 
 
+def test_the_shared_process_stream_is_refused_with_a_clear_error():
+    with pytest.raises(gridcomm.ConfigError, match="process was removed"):
+        gridcomm.CoordinatorClient("127.0.0.1", 1, 0, 1, session="process")
 
 
 @pytest.mark.timeout(30)
 # The stream's tasks once kept the call (and its connection) alive until a GC pass (found here, fixed).
-@pytest.mark.parametrize("mode", ["process", "client", "off"])
+@pytest.mark.parametrize("mode", MODES)
 def test_the_last_client_to_close_closes_the_connection(coordinator_factory, mode):
     server = coordinator_factory(4)
     # Why without the cyclic collector: closing must not depend on when it happens to run.
@@ -408,7 +400,7 @@ def test_the_last_client_to_close_closes_the_connection(coordinator_factory, mod
     try:
         with clients(server.port, 4, mode) as ranks:
             on_threads(lambda c: c.join(), ranks)
-            assert server_connections(server.port) == (1 if mode == "process" else 4)
+            assert server_connections(server.port) == 4
             for c in ranks:
                 c.leave()
 
@@ -428,8 +420,8 @@ def test_the_last_client_to_close_closes_the_connection(coordinator_factory, mod
 @pytest.mark.timeout(30)
 def test_clients_with_other_credentials_do_not_share_a_stream(coordinator_factory):
     server = coordinator_factory(2, token="the-token")
-    with clients(server.port, 2, "process", token="the-token") as ranks, \
-            clients(server.port, 2, "process", ranks=[0], token="not-the-token") as (stranger,):
+    with clients(server.port, 2, "client", token="the-token") as ranks, \
+            clients(server.port, 2, "client", ranks=[0], token="not-the-token") as (stranger,):
         on_threads(lambda c: c.join(), ranks)
         with pytest.raises(gridcomm.AuthenticationError, match="token is wrong"):
             stranger.join()
@@ -650,8 +642,7 @@ def coordinator_without_session(world: int) -> Iterator[tuple[gridcomm.Coordinat
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", MODES)
-# via: get and barrier given their timeout per call, or taking the client's (the path that sends
-# the first slice straight to the stream, and repeats it as a unary call itself).
+# via: get and barrier given their timeout per call, or taking the client's.
 @pytest.mark.parametrize("via", ["call", "client"])
 def test_a_coordinator_without_session_is_served_by_unary_calls(mode, via):
     world = 3
@@ -659,8 +650,7 @@ def test_a_coordinator_without_session_is_served_by_unary_calls(mode, via):
         assert on_threads(lambda c: c.join(), ranks) == [1] * world
         # The stream was tried (by every client that has a stream of its own), refused, and the
         # joins were made as unary calls.
-        assert {"process": counter.calls["Session"] >= 1, "client": counter.calls["Session"] >= world,
-                "off": counter.calls["Session"] == 0}[mode], counter.calls
+        assert {"client": counter.calls["Session"] >= world, "off": counter.calls["Session"] == 0}[mode], counter.calls
         ranks[0].set("k", b"v")
         if via == "client":
             for c in ranks:
@@ -780,7 +770,7 @@ def test_a_stream_cut_mid_wait_is_repeated_as_a_unary_call(coordinator_factory, 
 
 @pytest.mark.timeout(60)
 # The unary repeat once got the whole slice again (found here, fixed).
-@pytest.mark.parametrize("mode", ["off", "process"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("via", ["call", "client"])  # as in test_a_coordinator_without_session_is_served_by_unary_calls
 def test_a_stream_cut_late_in_a_wait_keeps_the_callers_deadline(coordinator_factory, mode, via):
     timeout_s, cut_at_s = 2.5, 2.0
@@ -855,347 +845,22 @@ def test_the_same_barrier_arrival_twice_on_a_stream_counts_once():
         assert server.state.barriers["once"].completed == 1
 
 
-# ------------------------------------------------------------------------------------ 6. groups
-
-
-def by_id(results: Sequence[pb.SessionResult]) -> dict[int, pb.SessionResult]:
-    """Each operation id answered so far, a group's result under every id it answers."""
-    answered: dict[int, pb.SessionResult] = {}
-    for result in results:
-        for op_id in (result.id, *result.also):
-            assert op_id not in answered, f"operation {op_id} was answered twice"
-            answered[op_id] = result
-    return answered
-
-
-def wait_ids(session: RawSession, ids: Sequence[int], timeout_s: float = 10.0) -> dict[int, pb.SessionResult]:
-    """The results for ``ids``, counting the ids a group's result answers."""
-    want = set(ids)
-    with session._cv:
-        session._cv.wait_for(lambda: want <= set(by_id(session.results)) or session.ended, timeout_s)
-        got = {i: r for i, r in by_id(session.results).items() if i in want}
-    assert set(got) == want, f"results for {sorted(want - set(got))} missing after {timeout_s} s; error {session.error}"
-    return got
-
-
-def grouped(lead_id: int, kind: str, request: Any, members: Sequence[tuple[int, pb.Caller]]) -> pb.SessionOp:
-    return pb.SessionOp(id=lead_id, also=[pb.GroupMember(id=i, caller=c) for i, c in members], **{kind: request})
-
-
-@pytest.mark.timeout(30)
-def test_the_coordinator_says_it_takes_groups():
-    with coordinator(1) as (server, channel), raw_session(channel) as session:
-        metadata = dict(session.call.initial_metadata())
-        assert "group" in metadata.get("gridcomm-session-features", "").split(","), metadata
-
-
-@pytest.mark.timeout(30)
-def test_a_grouped_barrier_arrives_for_every_member_and_is_answered_once():
-    with coordinator(4) as (server, channel), raw_session(channel) as session:
-        callers = join_on_stream(session, server, 4)
-        before = len(session.results)
-        session.send(grouped(1, "barrier", pb.BarrierRequest(caller=callers[0], name="g", seq=1, wait_s=5.0),
-                             [(2, callers[1]), (3, callers[2])]))
-        # Every member arrived (the Status RPC lists them), and only rank 3 is awaited.
-        wait_for(lambda: arrived(server.port, "g") == [0, 1, 2], "the group's three arrivals")
-        assert list(pending_barrier(server.port, "g").missing_ranks) == [3]
-        session.send(op(4, barrier=pb.BarrierRequest(caller=callers[3], name="g", seq=1, wait_s=5.0)))
-        got = wait_ids(session, [1, 2, 3, 4])
-        assert {i: (r.code, r.barrier.seq) for i, r in got.items()} == {1: (0, 1), 2: (0, 1), 3: (0, 1), 4: (0, 1)}
-        assert got[1] is got[2] is got[3], "the group was not answered by one result"
-        assert len(session.results) - before == 2
-        assert server._servicer.grouped == 2
-        # A second instance by the same group completes as well (each member's seq counted).
-        session.send(grouped(5, "barrier", pb.BarrierRequest(caller=callers[3], name="g", seq=2, wait_s=5.0),
-                             [(6, callers[0]), (7, callers[1]), (8, callers[2])]))
-        assert {r.barrier.seq for r in wait_ids(session, [5, 6, 7, 8]).values()} == {2}
-        assert server.state.barriers["g"].completed == 2
-
-
-@pytest.mark.timeout(30)
-def test_a_refused_member_is_answered_alone_as_its_unary_call_and_the_rest_go_on():
-    with coordinator(4) as (server, channel), raw_session(channel) as session:
-        callers = join_on_stream(session, server, 4)
-        stub = pb_grpc.CoordinatorStub(channel)
-        stale = pb.Caller(job_id=server.job_id, rank=2, incarnation=callers[2].incarnation,
-                          generation=callers[2].generation + 3)
-        other_job = pb.Caller(job_id="someone-else", rank=1)
-        # What the unary calls of the two bad members answer (neither arrives, so both can be asked first).
-        unary_stale = ours(call_unary(stub.Barrier, pb.BarrierRequest(caller=stale, name="m", seq=1, wait_s=0.1)))
-        unary_other = ours(call_unary(stub.Barrier, pb.BarrierRequest(caller=other_job, name="m", seq=1, wait_s=0.1)))
-        assert unary_stale[0] is grpc.StatusCode.FAILED_PRECONDITION and unary_other[0] is grpc.StatusCode.INVALID_ARGUMENT
-        session.send(grouped(1, "barrier", pb.BarrierRequest(caller=stale, name="m", seq=1, wait_s=0.5),
-                             [(2, callers[0]), (3, other_job), (4, callers[1])]))
-        got = wait_ids(session, [1, 2, 3, 4])
-        assert as_outcome(got[1]) == unary_stale
-        assert as_outcome(got[3]) == unary_other
-        assert got[1].also == [] and got[3].also == [], "a refused member's result answered others too"
-        # The two good members arrived and wait together for rank 2, at the group's deadline.
-        assert got[2] is got[4] and sorted((got[2].id, *got[2].also)) == [2, 4]
-        assert as_outcome(got[2])[0] is grpc.StatusCode.DEADLINE_EXCEEDED
-        assert as_outcome(got[2])[2] == {"gridcomm-missing-ranks": "2,3"}
-        # Every member refused: each answered alone, nothing arrives.
-        session.send(grouped(5, "barrier", pb.BarrierRequest(caller=stale, name="n", seq=1, wait_s=0.5),
-                             [(6, other_job)]))
-        got = wait_ids(session, [5, 6])
-        assert as_outcome(got[5]) == unary_stale and got[5] is not got[6]
-        assert pending_barrier(server.port, "n") is None
-
-
-@pytest.mark.timeout(30)
-def test_a_grouped_get_waits_once_and_answers_every_member_with_the_value():
-    with coordinator(3) as (server, channel), raw_session(channel) as session:
-        callers = join_on_stream(session, server, 3)
-        session.send(grouped(1, "get", pb.GetRequest(caller=callers[1], key="blob", wait_s=5.0), [(2, callers[2])]))
-        time.sleep(0.2)
-        assert not set(by_id(session.results)) & {1, 2}, "answered before the key was set"
-        session.send(op(3, set=pb.SetRequest(caller=callers[0], key="blob", value=b"x" * 128)))
-        got = wait_ids(session, [1, 2, 3])
-        assert got[1] is got[2] and (got[1].code, got[1].get.value) == (0, b"x" * 128)
-        # Already set: answered at once, still one result.
-        session.send(grouped(4, "get", pb.GetRequest(caller=callers[0], key="blob", wait_s=5.0),
-                             [(5, callers[1]), (6, callers[2])]))
-        got = wait_ids(session, [4, 5, 6])
-        assert got[4] is got[5] is got[6] and got[4].get.value == b"x" * 128
-        # A group that times out names the key, once for all.
-        session.send(grouped(7, "get", pb.GetRequest(caller=callers[0], key="never", wait_s=0.3), [(8, callers[1])]))
-        got = wait_ids(session, [7, 8])
-        assert got[7] is got[8] and as_outcome(got[7])[0] is grpc.StatusCode.DEADLINE_EXCEEDED
-        assert "never" in got[7].details
-
-
-@pytest.mark.timeout(30)
-def test_groups_of_what_cannot_be_grouped_or_too_large_are_refused_for_every_member():
-    with coordinator(2) as (server, channel), raw_session(channel) as session:
-        callers = join_on_stream(session, server, 2)
-        session.send(grouped(1, "set", pb.SetRequest(caller=callers[0], key="k", value=b"v"), [(2, callers[1])]))
-        got = wait_ids(session, [1, 2])
-        assert got[1] is got[2] and as_outcome(got[1])[0] is grpc.StatusCode.INVALID_ARGUMENT
-        assert "cannot be grouped" in got[1].details
-        assert server.state.get("k") is None, "a refused group was carried out"
-        session.send(grouped(3, "barrier", pb.BarrierRequest(caller=callers[0], name="big", seq=1, wait_s=1.0),
-                             [(10 + i, callers[i % 2]) for i in range(2)]))
-        got = wait_ids(session, [3, 10, 11])
-        assert got[3] is got[10] is got[11] and as_outcome(got[3])[0] is grpc.StatusCode.INVALID_ARGUMENT
-        assert "larger than the job" in got[3].details
-        assert pending_barrier(server.port, "big") is None
-        # The stream serves on.
-        session.send(op(20, barrier=pb.BarrierRequest(caller=callers[0], name="b", seq=1, wait_s=5.0)),
-                     op(21, barrier=pb.BarrierRequest(caller=callers[1], name="b", seq=1, wait_s=5.0)))
-        assert {r.code for r in wait_ids(session, [20, 21]).values()} == {0}
-
-
-@pytest.mark.timeout(60)
-def test_the_ranks_of_one_process_are_grouped_and_each_sees_its_own_errors(coordinator_factory):
-    """16 ranks as threads of this process, 20 back-to-back barriers and a get of one key: the
-    coordinator received some of them as groups, and every rank passed every barrier; then a rank
-    whose caller is stale (a rejoined generation it missed) gets its own error, not the group's."""
-    world = 16
-    server = coordinator_factory(world)
-    with clients(server.port, world, "process") as made:
-        on_threads(lambda c: c.join(), made)
-
-        def rank_main(c: gridcomm.CoordinatorClient) -> bytes:
-            for _ in range(20):
-                c.barrier("loop")
-            if c.rank == 0:
-                c.set("blob", b"b" * 128)
-            return c.get("blob")
-
-        assert on_threads(rank_main, made) == [b"b" * 128] * world
-        assert server.state.barriers["loop"].completed == 20
-        assert server._servicer.grouped > 0, "no operation of 16 threads came grouped"
-        # Rank 5's client believes in a generation the job is not at: only it is refused.
-        made[5].generation += 1
-
-        def last(c: gridcomm.CoordinatorClient) -> str:
-            try:
-                c.barrier("last", timeout_s=2.0)
-            except gridcomm.GridcommError as exc:
-                return type(exc).__name__ + ": " + str(exc)
-            return "ok"
-
-        outcomes = on_threads(last, [c for c in made])
-        assert "generation" in outcomes[5] and outcomes[5] != "ok", outcomes[5]
-        # The others wait for rank 5, which never arrived: they time out naming it.
-        assert all(o.startswith("RendezvousTimeout") and "[5]" in o for i, o in enumerate(outcomes) if i != 5), outcomes
-
-
-@pytest.mark.timeout(60)
-def test_a_coordinator_that_does_not_say_it_takes_groups_gets_none(coordinator_factory, monkeypatch):
-    from gridcomm import _server
-    monkeypatch.setattr(_server, "SESSION_FEATURES", "something-else")
-    world = 8
-    server = coordinator_factory(world)
-    with clients(server.port, world, "process") as made:
-        on_threads(lambda c: c.join(), made)
-        on_threads(lambda c: [c.barrier("x") for _ in range(10)], made)
-    assert server.state.barriers["x"].completed == 10
-    assert server._servicer.grouped == 0
-
-
-@pytest.mark.timeout(60)
-def test_an_operation_held_for_the_other_clients_is_sent_when_they_do_not_come(coordinator_factory):
-    """A whole-job barrier or a get waits briefly for the other clients of its stream to make it
-    too; one that the others never make still goes out, and an operation that is not held (a
-    set, a barrier of some ranks) sends what is held with it."""
-    world = 4
-    server = coordinator_factory(world)
-    with clients(server.port, world, "process") as made:
-        on_threads(lambda c: c.join(), made)
-        made[0].set("k", b"v")
-        for _ in range(5):
-            assert made[0].get("k", timeout_s=5.0) == b"v"  # only client 0 asks
-        # A get held for a key that a set of another client of the stream then provides.
-        got: queue.Queue[bytes] = queue.Queue()
-        waiter = threading.Thread(target=lambda: got.put(made[1].get("later", timeout_s=10.0)), daemon=True)
-        waiter.start()
-        made[2].set("later", b"w")
-        assert got.get(timeout=10.0) == b"w"
-        on_threads(lambda c: c.barrier("some", participants=[0, 1], timeout_s=5.0), made[:2])
-
-        # A whole-job barrier whose last local rank comes late (beyond any hold) still completes.
-        def late(c: gridcomm.CoordinatorClient) -> None:
-            if c.rank == 3:
-                time.sleep(0.2)
-            c.barrier("late", timeout_s=5.0)
-
-        on_threads(late, made)
-        assert server.state.barriers["late"].completed == 1
-        on_threads(lambda c: [c.barrier("all", timeout_s=5.0) for _ in range(5)], made)
-        assert server.state.barriers["all"].completed == 5
-        assert server.state.barriers["some"].completed == 1
-
-
-@pytest.mark.timeout(60)
-def test_the_first_operation_of_a_hold_keeps_its_time_on_its_own_thread(coordinator_factory):
-    """The first operation of a held group does not wake the loop just to start a timer: its
-    thread keeps the hold's time. So the whole-job barriers of a process's ranks cost one drain
-    each (two before), and an operation the other clients never make still goes out when its
-    hold ends, not at its deadline."""
-    world, barriers = 4, 20
-    server = coordinator_factory(world)
-    with clients(server.port, world, "process") as made:
-        on_threads(lambda c: c.join(), made)
-        session = made[0]._session
-        assert all(c._session is session for c in made)
-        before = session._drains
-        on_threads(lambda c: [c.barrier("all", timeout_s=10.0) for _ in range(barriers)], made)
-        assert server.state.barriers["all"].completed == barriers
-        # One drain per barrier; a hold that runs out on a slow machine adds one (the margin).
-        drains = session._drains - before
-        assert drains <= barriers * 3 // 2, f"{drains} drains for {barriers} barriers"
-        made[1].set("k", b"v")
-        for _ in range(3):
-            started = time.monotonic()
-            assert made[0].get("k", timeout_s=5.0) == b"v"  # only client 0 asks: its hold runs out
-            elapsed = time.monotonic() - started
-            assert elapsed < 1.0, f"a lone get took {elapsed:.2f} s (its hold is {_session.HOLD_GET_S} s)"
-
-
-@pytest.mark.timeout(60)
-def test_a_hold_ends_once_every_client_of_the_stream_is_waiting(coordinator_factory, monkeypatch):
-    """A held group waits for the stream's other clients only while one of them could still
-    join it. Here two of the four clients of a stream already wait elsewhere (a barrier of some
-    ranks), so the other two's get has nobody left to wait for and goes out at once, not when
-    its hold runs out. Why it matters: a process whose ranks reach a get or barrier over more
-    than the hold sends them in parts, and its last part could never be complete."""
-    world = 5
-    server = coordinator_factory(world)
-    extra = client(server.port, 4, world, "off")
-    side = ThreadPoolExecutor(2)
-    try:
-        with clients(server.port, world, "process", ranks=[0, 1, 2, 3]) as made:
-            on_threads(lambda c: c.join(), [*made, extra])
-            extra.set("k", b"v")
-            waiting = [side.submit(c.barrier, "side", 30.0, participants=[0, 1, 4]) for c in made[:2]]
-            wait_for(lambda: sorted(arrived(server.port, "side")) == [0, 1], "clients 0 and 1 at the side barrier")
-            # A hold far longer than the wait allowed below: the outcome is not a matter of timing.
-            monkeypatch.setattr(_session, "HOLD_GET_S", 5.0)
-            started = time.monotonic()
-            assert on_threads(lambda c: c.get("k", timeout_s=20.0), made[2:]) == [b"v", b"v"]
-            elapsed = time.monotonic() - started
-            assert elapsed < 2.5, f"the gets of the last two clients took {elapsed:.2f} s (held for clients that wait)"
-            extra.barrier("side", timeout_s=10.0, participants=[0, 1, 4])
-            for done in waiting:
-                done.result(timeout=10.0)
-    finally:
-        side.shutdown(wait=False)
-        extra.close()
+# ------------------------------------------------------------------------------------ 6. identity and close
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("via", ["call", "client"])
 def test_a_changed_generation_is_what_every_path_sends(coordinator_factory, via):
     """A client whose generation changed (a rejoin it missed, here set by hand) sends the new
-    one on every path: the fast path of get and barrier (the client's timeout) reads the same
-    identity as the rest, so the coordinator refuses it by its generation either way."""
+    one on every path, so the coordinator refuses it by its generation either way."""
     server = coordinator_factory(2)
-    with clients(server.port, 2, "process", timeout_s=2.0) as made:
+    with clients(server.port, 2, "client", timeout_s=2.0) as made:
         on_threads(lambda c: c.join(), made)
         made[1].generation += 1
         for call in (lambda: made[1].barrier("b", **per_call(via, 2.0)), lambda: made[1].get("k", **per_call(via, 2.0))):
             found = outcome(call)
             assert found[0] != "no error" and "generation" in found[3], found
         assert made[1].caller.generation == made[1].generation
-
-
-class _Interrupted(Exception):
-    pass
-
-
-@pytest.mark.timeout(60)
-def test_an_interrupted_hold_keeper_hands_the_hold_to_the_loop(coordinator_factory):
-    """The thread that keeps a hold's time (the first of a group) may be interrupted, as the main
-    thread is by a signal whose handler raises (KeyboardInterrupt). What it held goes out at once
-    all the same: its arrival reaches the coordinator, and the barrier completes for the others
-    instead of waiting for the next operation of this stream."""
-    server = coordinator_factory(3)
-    extra = client(server.port, 2, 3, "off")
-    previous = signal.getsignal(signal.SIGUSR1)
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise _Interrupted()
-
-    signal.signal(signal.SIGUSR1, interrupt)
-    try:
-        with clients(server.port, 3, "process", ranks=[0, 1]) as made:
-            on_threads(lambda c: c.join(), [*made, extra])
-            assert threading.current_thread() is threading.main_thread()
-            timer = threading.Timer(0.005, os.kill, args=(os.getpid(), signal.SIGUSR1))
-            timer.start()
-            with pytest.raises(_Interrupted):
-                made[0].barrier("x", timeout_s=10.0)  # whole-job: held up to 20 ms, this thread keeps it
-            timer.join()
-            deadline = time.monotonic() + 2.0
-            while server.state.barriers.get("x") is None or server.state.barriers["x"].arrived[0] < 1:
-                assert time.monotonic() < deadline, "rank 0's interrupted arrival never left the process"
-                time.sleep(0.01)
-            on_threads(lambda c: c.barrier("x", timeout_s=5.0), [made[1], extra])
-            assert server.state.barriers["x"].completed == 1
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
-        extra.close()
-
-
-@pytest.mark.timeout(60)
-def test_an_operation_the_loop_cannot_build_falls_back_alone(coordinator_factory):
-    """Get and barrier requests are built on the loop (only the lead of a group is sent). One
-    that cannot become a message there (the client's own checks would have refused it) ends
-    only its own operation: its caller repeats it as a unary call, which builds it again and
-    raises there; the stream and what else it carries go on."""
-    server = coordinator_factory(2)
-    with clients(server.port, 2, "process") as made:
-        on_threads(lambda c: c.join(), made)
-        session = made[0]._session
-        stream = session._call
-        bad = _session.Deferred((pb.GetRequest, made[0].caller, 1.0, {"key": "half\ud800"}))
-        with pytest.raises(_session.StreamBroken, match="could not carry the operation"):
-            session.call("get", bad, 5.0, ("get", "half"), _session.HOLD_GET_S)
-        made[1].set("k", b"v")
-        assert on_threads(lambda c: c.get("k", timeout_s=5.0), made) == [b"v", b"v"]
-        on_threads(lambda c: c.barrier("after", timeout_s=5.0), made)
-        assert session._call is stream, "the stream was replaced"
 
 
 @pytest.mark.timeout(60)
@@ -1205,7 +870,7 @@ def test_closing_the_clients_ends_a_waiting_operation_at_once(coordinator_factor
     server = coordinator_factory(3)
     extra = client(server.port, 2, 3, "off")
     try:
-        with clients(server.port, 3, "process", ranks=[0, 1]) as made:
+        with clients(server.port, 3, "client", ranks=[0, 1]) as made:
             on_threads(lambda c: c.join(), [*made, extra])
             outcome_q: queue.Queue[str] = queue.Queue()
 

@@ -250,30 +250,20 @@ class TakeRequest(_message.Message):
     def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class SessionOp(_message.Message):
-    __slots__ = ("id", "join", "set", "get", "barrier", "leave", "also")
+    __slots__ = ("id", "join", "set", "get", "barrier", "leave")
     ID_FIELD_NUMBER: _ClassVar[int]
     JOIN_FIELD_NUMBER: _ClassVar[int]
     SET_FIELD_NUMBER: _ClassVar[int]
     GET_FIELD_NUMBER: _ClassVar[int]
     BARRIER_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
-    ALSO_FIELD_NUMBER: _ClassVar[int]
     id: int
     join: JoinRequest
     set: SetRequest
     get: GetRequest
     barrier: BarrierRequest
     leave: LeaveRequest
-    also: _containers.RepeatedCompositeFieldContainer[GroupMember]
-    def __init__(self, id: _Optional[int] = ..., join: _Optional[_Union[JoinRequest, _Mapping]] = ..., set: _Optional[_Union[SetRequest, _Mapping]] = ..., get: _Optional[_Union[GetRequest, _Mapping]] = ..., barrier: _Optional[_Union[BarrierRequest, _Mapping]] = ..., leave: _Optional[_Union[LeaveRequest, _Mapping]] = ..., also: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ...) -> None: ...
-
-class GroupMember(_message.Message):
-    __slots__ = ("id", "caller")
-    ID_FIELD_NUMBER: _ClassVar[int]
-    CALLER_FIELD_NUMBER: _ClassVar[int]
-    id: int
-    caller: Caller
-    def __init__(self, id: _Optional[int] = ..., caller: _Optional[_Union[Caller, _Mapping]] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., join: _Optional[_Union[JoinRequest, _Mapping]] = ..., set: _Optional[_Union[SetRequest, _Mapping]] = ..., get: _Optional[_Union[GetRequest, _Mapping]] = ..., barrier: _Optional[_Union[BarrierRequest, _Mapping]] = ..., leave: _Optional[_Union[LeaveRequest, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("ops",)
@@ -290,7 +280,7 @@ class MetadataEntry(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class SessionResult(_message.Message):
-    __slots__ = ("id", "code", "details", "metadata", "join", "set", "get", "barrier", "leave", "also")
+    __slots__ = ("id", "code", "details", "metadata", "join", "set", "get", "barrier", "leave")
     ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
@@ -300,7 +290,6 @@ class SessionResult(_message.Message):
     GET_FIELD_NUMBER: _ClassVar[int]
     BARRIER_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
-    ALSO_FIELD_NUMBER: _ClassVar[int]
     id: int
     code: int
     details: str
@@ -310,8 +299,7 @@ class SessionResult(_message.Message):
     get: GetResponse
     barrier: BarrierResponse
     leave: LeaveResponse
-    also: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., join: _Optional[_Union[JoinResponse, _Mapping]] = ..., set: _Optional[_Union[SetResponse, _Mapping]] = ..., get: _Optional[_Union[GetResponse, _Mapping]] = ..., barrier: _Optional[_Union[BarrierResponse, _Mapping]] = ..., leave: _Optional[_Union[LeaveResponse, _Mapping]] = ..., also: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., join: _Optional[_Union[JoinResponse, _Mapping]] = ..., set: _Optional[_Union[SetResponse, _Mapping]] = ..., get: _Optional[_Union[GetResponse, _Mapping]] = ..., barrier: _Optional[_Union[BarrierResponse, _Mapping]] = ..., leave: _Optional[_Union[LeaveResponse, _Mapping]] = ...) -> None: ...
 
 class SessionReply(_message.Message):
     __slots__ = ("results",)

@@ -145,7 +145,7 @@ class CoordinatorServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """One long-lived stream per client process (or per client) that carries the calls above
+        """One long-lived stream per client that carries the calls above
         which wait (Join, Get, Barrier) and the small ones (Set, Leave), batched: each request
         message holds the operations gathered since the last one, each reply the results that
         completed. An operation answers exactly as its unary RPC would (same checks, same status

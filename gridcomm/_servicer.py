@@ -1,0 +1,518 @@
+"""The coordinator's operations: each RPC's checks, waits and answers, on the server's loop.
+
+Every operation is one coroutine ``op(request, deadline)`` (``deadline``: the loop time by which
+the caller must have its answer, or None), run alike for a unary call and for a message of a
+Session stream (:mod:`gridcomm._stream`); a refusal is raised (:class:`Abort`, or the
+:class:`~gridcomm._rendezvous.StateError` of a decision) and turned into a status by the caller.
+The decisions live in :mod:`gridcomm._rendezvous`; this module checks, waits, wakes and answers.
+A waiting operation costs a future, never a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import grpc
+
+from gridcomm._proto import coordinator_pb2 as pb
+from gridcomm._rendezvous import JobState, Member, MemberState, StateError, quote
+from gridcomm._wire import CHUNK_BYTES, FAILED_KEY, MISSING_KEY, ranks_text
+
+log = logging.getLogger(__name__)
+
+#: Margin kept between the server's answer and the caller's gRPC deadline, so a timed-out wait
+#: reaches the caller as our structured answer rather than as the transport's DEADLINE_EXCEEDED.
+ANSWER_MARGIN_S = 0.25
+#: Longest status message sent (characters); see details().
+MAX_DETAILS = 400
+
+
+class Undecodable:
+    """Stands for a request body that is not a valid message of its type."""
+
+
+UNDECODABLE = Undecodable()
+
+
+class Abort(Exception):
+    """Raised inside an operation to answer with a status (and trailing metadata)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.metadata = metadata
+
+
+def details(message: str) -> str:
+    """Status details short enough that, percent-encoded (up to 9 bytes a character), they stay
+    well inside gRPC's 8 KiB metadata budget beside our trailers."""
+    return message if len(message) <= MAX_DETAILS else message[: MAX_DETAILS - 15] + "... (truncated)"
+
+
+def status_of(name: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """The status a refused or failed operation answers with: code, details, trailing metadata."""
+    if isinstance(exc, Abort):
+        return exc.code, details(exc.message), exc.metadata
+    if isinstance(exc, StateError):
+        metadata = ((FAILED_KEY, str(exc.failed_rank)),) if exc.failed_rank is not None else ()
+        return getattr(grpc.StatusCode, exc.code), details(exc.message), metadata
+    log.exception("coordinator: %s failed on an unexpected error", name, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, details(f"{name} failed inside the coordinator: {exc!r}"), ()
+
+
+def _bounded(ranks: list[int], shown: int = 16) -> str:
+    if len(ranks) <= shown:
+        return str(ranks)
+    return f"{ranks[:shown]}... ({len(ranks)} in all)"
+
+
+class RefusalLog:
+    """Logs refused calls at a bounded rate: the first of each interval as it comes, the rest as
+    one count when the interval ends. Why: one client without the token made ~3,000 log lines a
+    second, a disk and a log pipeline an unauthenticated caller could fill."""
+
+    INTERVAL_S = 10.0
+
+    def __init__(self) -> None:
+        self._until = 0.0
+        self._count = 0
+        self._peers: set[str] = set()
+        #: Refused calls since start (what an operator's metrics would read).
+        self.total = 0
+
+    def note(self, method: str, peer: str, how: str) -> None:
+        self.total += 1
+        now = time.monotonic()
+        if now >= self._until:
+            self._flush()
+            self._until = now + self.INTERVAL_S
+            log.warning("coordinator: refused %s from %s: %s token (further refusals in the next %g s are counted, "
+                        "not logged one by one)", method, peer, how, self.INTERVAL_S)
+            try:
+                asyncio.get_running_loop().call_later(self.INTERVAL_S, self._flush)
+            except RuntimeError:
+                pass  # no loop (a unit test): the next refusal flushes
+            return
+        self._count += 1
+        if len(self._peers) < 8:
+            self._peers.add(peer)
+
+    def _flush(self) -> None:
+        if self._count:
+            log.warning("coordinator: refused %d more calls without a valid token in the last %g s (from %s%s)",
+                        self._count, self.INTERVAL_S, ", ".join(sorted(self._peers)),
+                        ", ..." if len(self._peers) >= 8 else "")
+        self._count = 0
+        self._peers = set()
+
+
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _member_pb(member: Member) -> pb.Member:
+    return pb.Member(
+        rank=member.rank,
+        hostname=member.hostname,
+        incarnation=member.incarnation,
+        state=int(member.state),  # type: ignore[arg-type]
+        joined_at_unix_s=time.time() - (time.monotonic() - member.joined_at),
+    )
+
+
+def _failure_pb(failure: Any) -> pb.Failure:
+    return pb.Failure(
+        rank=failure.rank,
+        reason=failure.reason,
+        at_unix_s=time.time() - (time.monotonic() - failure.at),
+        reported_by=failure.reported_by,
+    )
+
+
+class Owner(Protocol):
+    """What the operations read of the server that runs them (gridcomm._server.Coordinator)."""
+
+    state: JobState
+    _token: str | None
+    heartbeat_timeout_s: float
+    timeout_s: float
+    max_wait_s: float
+    connection_grace_s: float
+    _closing: bool
+    _all_left: threading.Event
+
+    @property
+    def serving(self) -> bool: ...
+
+    def _set_serving(self, serving: bool) -> None: ...
+
+
+class Servicer:
+    """The coordinator's operations over its :class:`~gridcomm._rendezvous.JobState`."""
+
+    def __init__(self, owner: Owner) -> None:
+        self._owner = owner
+        self._state = owner.state
+        self._loop = asyncio.get_running_loop()
+        self._waiters: dict[tuple[Any, ...], list[asyncio.Future[None]]] = {}
+        self._token = owner._token.encode() if owner._token is not None else None
+        self.refusals = RefusalLog()
+
+    # ------------------------------------------------------------------ plumbing
+    def _now(self) -> float:
+        return time.monotonic()
+
+    def authenticate(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        """Raises Abort(UNAUTHENTICATED) unless the call carries the job's token (on its headers,
+        so before any request message is read)."""
+        if self._token is None:
+            return
+        supplied = b""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                supplied = value.encode() if isinstance(value, str) else bytes(value)
+                break
+        if not hmac.compare_digest(supplied, b"Bearer " + self._token):
+            self.refusals.note(method, context.peer(), "missing" if not supplied else "wrong")
+            raise Abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{method} refused: the {'token is missing' if not supplied else 'token is wrong'}; "
+                "set the same GRIDCOMM_TOKEN (or GRIDCOMM_TOKEN_FILE) on every rank and the coordinator.",
+            )
+
+    def deadline_of(self, context: grpc.aio.ServicerContext) -> float | None:
+        """A unary call's deadline on this loop's clock, less the answer margin."""
+        remaining = context.time_remaining()
+        return None if remaining is None else self._loop.time() + remaining - ANSWER_MARGIN_S
+
+    def _wake(self, key: tuple[Any, ...]) -> None:
+        for fut in self._waiters.pop(key, ()):
+            if not fut.done():
+                fut.set_result(None)
+
+    def wake_all(self) -> None:
+        """Every waiter re-checks its condition (after a failure, abort or stop)."""
+        waiters, self._waiters = self._waiters, {}
+        for futs in waiters.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_result(None)
+
+    def _check_waiting(self, what: str, fail_fast: bool = True) -> None:
+        """Raises what ends a wait that is not done: a failed job (when ``fail_fast``) or a
+        coordinator that is shutting down."""
+        if fail_fast:
+            self._state.check_not_failed(what)
+        if self._owner._closing:
+            raise Abort(grpc.StatusCode.UNAVAILABLE, f"{what}: the coordinator is shutting down.")
+
+    async def _wait(self, key: tuple[Any, ...], done: Callable[[], bool], wait_s: float, deadline: float | None,
+                    what: str, *, member: Member | None = None, fail_fast: bool = True) -> bool:
+        """Waits until ``done()``, a failure (raised when ``fail_fast``), or the bounded wait
+        ends; returns ``done()``. ``member``: the rank waiting (counted as having a call in
+        flight meanwhile, and seen when the wait ends)."""
+        # Why bounded: wait_s comes off the wire; NaN, negative or absurd values must not hang or crash.
+        budget = min(wait_s if wait_s == wait_s and wait_s > 0 else 0.0, self._owner.max_wait_s)
+        end = self._loop.time() + budget
+        if deadline is not None and deadline < end:
+            end = deadline
+        if member is not None:
+            member.active_calls += 1
+        try:
+            while True:
+                # Why done() first: what already completed (a message delivered, a barrier passed)
+                # is still handed out after a failure; only waiting is refused.
+                if done():
+                    return True
+                self._check_waiting(what, fail_fast)
+                remaining = end - self._loop.time()
+                if remaining <= 0:
+                    return False
+                fut: asyncio.Future[None] = self._loop.create_future()
+                futs = self._waiters.setdefault(key, [])
+                futs.append(fut)
+                timer = self._loop.call_later(remaining, _settle, fut)
+                try:
+                    await fut
+                finally:
+                    timer.cancel()
+                    if self._waiters.get(key) is futs:
+                        # Why: a wake pops the whole list; a list still here means this wait timed
+                        # out or was cancelled, so drop the future and keep abandoned waits (a Get
+                        # for a key that never comes) from piling up.
+                        try:
+                            futs.remove(fut)
+                        except ValueError:
+                            pass
+                        if not futs:
+                            del self._waiters[key]
+        finally:
+            if member is not None:
+                member.active_calls -= 1
+                member.last_seen = self._now()
+
+    def _caller(self, caller: pb.Caller, what: str, now: float | None = None) -> Member:
+        member = self._state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, what)
+        member.last_seen = self._now() if now is None else now
+        return member
+
+    def _on_failure(self) -> None:
+        self._owner._set_serving(False)
+        self.wake_all()
+        self._note_departures()
+
+    def _note_departures(self) -> None:
+        """Lets a stop() that waits for every rank to leave (or fail) go on."""
+        if self._state.all_left():
+            self._owner._all_left.set()
+
+    def _fail(self, rank: int, reason: str) -> None:
+        failure = self._state.fail(rank, reason, -1, self._now())
+        if failure is not None:
+            log.error("coordinator: %s", reason)
+            self._on_failure()
+
+    # ------------------------------------------------------------------ operations
+    async def join(self, request: pb.JoinRequest, deadline: float | None) -> pb.JoinResponse:
+        state = self._state
+        was_failed = state.failed
+        try:
+            completed = state.join(request.job_id, request.rank, request.world_size, request.incarnation,
+                                   request.hostname, self._now())
+        except StateError:
+            if state.failed and not was_failed:
+                # Why: the join marked a rank failed (a restarted process): tell everyone now.
+                log.error("coordinator: %s", state.failures[0].reason)
+                self._on_failure()
+            raise
+        member = state.members[request.rank]
+        if completed:
+            log.info("coordinator: all %d ranks joined; generation %d", state.world_size, state.generation)
+            self._wake(("join",))
+        ok = await self._wait(("join",), lambda: state.complete, request.wait_s, deadline,
+                              f"join of rank {request.rank}", member=member)
+        if state.members.get(request.rank) is not member:
+            raise Abort(grpc.StatusCode.ABORTED, f"rank {request.rank} was replaced by a newer process while joining.")
+        if not ok:
+            missing = state.missing_join()
+            raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"{len(missing)} of {state.world_size} ranks have not joined: {_bounded(missing)}",
+                        ((MISSING_KEY, ranks_text(missing)),))
+        # Members are not sent: O(world size) per join is O(world size^2) per rendezvous; Status
+        # lists them for who needs them.
+        return pb.JoinResponse(generation=state.generation, world_size=state.world_size,
+                               heartbeat_timeout_s=self._owner.heartbeat_timeout_s)
+
+    async def set(self, request: pb.SetRequest, deadline: float | None) -> pb.SetResponse:
+        member = self._caller(request.caller, "set")
+        state = self._state
+        state.check_not_failed("set")
+        if request.total_bytes:
+            if not state.set_piece(member.rank, request.key, request.offset, request.total_bytes, request.value):
+                return pb.SetResponse()
+        else:
+            state.set(request.key, request.value)
+        self._wake(("kv", request.key))
+        return pb.SetResponse()
+
+    async def get(self, request: pb.GetRequest, deadline: float | None) -> pb.GetResponse:
+        member = self._caller(request.caller, "get")
+        state = self._state
+        key = request.key
+        value = state.get(key)  # validates the key
+        if value is None:
+            if request.offset:
+                raise Abort(grpc.StatusCode.ABORTED, f"key {quote(key)} is no longer set; read it again from offset 0.")
+            if not await self._wait(("kv", key), lambda: key in state.kv, request.wait_s, deadline,
+                                    f"get of {quote(key)}", member=member):
+                raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"key {quote(key)} was not set within {request.wait_s:.1f} s")
+            value = state.kv[key]
+        return self._value_response(key, value, request)
+
+    def _value_response(self, key: str, value: bytes, request: pb.GetRequest) -> pb.GetResponse:
+        """A value, or its piece from request.offset when it is larger than one message."""
+        offset = request.offset
+        if not offset and len(value) <= CHUNK_BYTES:
+            return pb.GetResponse(value=value)
+        version = self._state.version(key)
+        if offset:
+            if request.version != version:
+                raise Abort(grpc.StatusCode.ABORTED,
+                            f"key {quote(key)} was set again while it was read in pieces; read it again from offset 0.")
+            if offset >= len(value):
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"offset {offset} is past the end of key {quote(key)} ({len(value)} bytes).")
+        return pb.GetResponse(value=value[offset : offset + CHUNK_BYTES], total_bytes=len(value), version=version)
+
+    async def barrier(self, request: pb.BarrierRequest, deadline: float | None) -> pb.BarrierResponse:
+        state = self._state
+        now = self._now()
+        name, seq = request.name, request.seq
+        member = self._caller(request.caller, "barrier", now)
+        barrier = state.barriers.get(name)
+        if barrier is None:
+            state.check_barrier_name(name)  # a name in use passed this check when its barrier opened
+        if state.failed:
+            state.check_not_failed(f"barrier {quote(name)}")
+        before = barrier.completed if barrier is not None else 0
+        completed = state.arrive(name, member.rank, seq, now, request.participants)
+        for done_seq in range(before + 1, completed + 1):
+            self._wake(("barrier", name, done_seq))
+        barrier = state.barriers[name]
+        if barrier.completed >= seq:
+            return pb.BarrierResponse(seq=seq)
+        blocker = state.barrier_blocker(name, seq)
+        if blocker is not None:
+            raise Abort(grpc.StatusCode.ABORTED,
+                        f"barrier {quote(name)} #{seq} cannot complete: rank {blocker.rank} left the job before arriving",
+                        ((FAILED_KEY, str(blocker.rank)),))
+        if not await self._wait(("barrier", name, seq), lambda: barrier.completed >= seq, request.wait_s, deadline,
+                                f"barrier {quote(name)}", member=member):
+            missing = state.barrier_missing(name, seq)
+            raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"barrier {quote(name)} #{seq}: {len(missing)} of {state.world_size} ranks have not arrived: "
+                        f"{_bounded(missing)}", ((MISSING_KEY, ranks_text(missing)),))
+        return pb.BarrierResponse(seq=seq)
+
+    async def heartbeat(self, request: pb.HeartbeatRequest, deadline: float | None) -> pb.HeartbeatResponse:
+        """Long-poll: answered after wait_s or as soon as any rank fails, with every failure."""
+        state = self._state
+        member = self._caller(request.caller, "heartbeat")
+        state.heartbeat(member.rank, self._now())
+        beat = member.last_heartbeat
+        try:
+            await self._wait(("failure",), lambda: state.failed, min(request.wait_s, self._owner.heartbeat_timeout_s),
+                             deadline, "heartbeat", fail_fast=False)
+        except asyncio.CancelledError:
+            # Why: the call ended without an answer: the caller's process died or its network
+            # went away (or it merely re-dials). Give it a moment to heartbeat again, then fail it.
+            self._loop.call_later(self._owner.connection_grace_s, self._check_lost, member, beat)
+            raise
+        return pb.HeartbeatResponse(failures=[_failure_pb(f) for f in state.failures])
+
+    def _check_lost(self, member: Member, beat: float | None) -> None:
+        if member.state is MemberState.JOINED and member.last_heartbeat == beat \
+                and self._state.members.get(member.rank) is member:
+            self._fail(member.rank, f"rank {member.rank} on {member.hostname or '?'} lost its connection to the "
+                       "coordinator without leaving (process killed, crashed, or network cut)")
+
+    async def watch_liveness(self) -> None:
+        """Marks failed every heartbeating rank silent for longer than the heartbeat timeout."""
+        timeout = self._owner.heartbeat_timeout_s
+        period = max(0.05, min(1.0, timeout / 4))
+        while not self._owner._closing:
+            await asyncio.sleep(period)
+            for rank in self._state.expired(self._now(), timeout):
+                member = self._state.members[rank]
+                why = ("sent no heartbeat within {t:g} s of the rendezvous (died while joining?)"
+                       if member.last_heartbeat is None else
+                       "sent no heartbeat for {t:g} s (hung, partitioned, or overloaded)").format(t=timeout)
+                self._fail(rank, f"rank {rank} on {member.hostname or '?'} {why}")
+
+    async def report_failure(self, request: pb.ReportFailureRequest, deadline: float | None) -> pb.ReportFailureResponse:
+        rank = request.caller.rank
+        self._caller(request.caller, "report_failure")
+        failure = self._state.fail(rank, request.reason or "reported an error", rank, self._now())
+        if failure is not None:
+            log.error("coordinator: rank %d reported a failure: %s", rank, failure.reason)
+            self._on_failure()
+        return pb.ReportFailureResponse()
+
+    async def leave(self, request: pb.LeaveRequest, deadline: float | None) -> pb.LeaveResponse:
+        state = self._state
+        caller = request.caller
+        member = state.members.get(caller.rank)
+        if member is None or member.state is not MemberState.LEFT or member.incarnation != caller.incarnation:
+            state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, "leave")
+        state.leave(caller.rank, self._now())
+        # Why: barriers waiting on this rank can never complete; let them fail now.
+        self.wake_all()
+        self._note_departures()
+        return pb.LeaveResponse()
+
+    async def status(self, request: pb.StatusRequest, deadline: float | None) -> pb.StatusResponse:
+        state = self._state
+        now = self._now()
+        return pb.StatusResponse(
+            job_id=state.job_id,
+            world_size=state.world_size,
+            generation=state.generation,
+            members=[_member_pb(m) for m in sorted(state.members.values(), key=lambda m: m.rank)],
+            missing_ranks=state.missing_join(),
+            barriers=[
+                pb.BarrierStatus(name=n, seq=s, arrived_ranks=a, missing_ranks=m, waiting_s=w)
+                for n, s, a, m, w in state.pending_barriers(now)
+            ],
+            failures=[_failure_pb(f) for f in state.failures],
+            uptime_s=now - state.started_at,
+            serving=self._owner.serving,
+        )
+
+    # ------------------------------------------------------------------ host-backend transfers
+    async def put(self, context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        """Receives one message in chunks; waits (bounded) for room in the mailbox first."""
+        reserved = 0
+        mailbox = self._state.mailbox
+        try:
+            first = await context.read()
+            if first is grpc.aio.EOF:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "Put carried no chunk.")
+            if first is UNDECODABLE:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "the first chunk of a Put is not a valid gridcomm.v1.Chunk.")
+            self._caller(first.caller, "put")
+            key, total, readers = first.key, first.total_bytes, first.readers
+            mailbox.check(key, total, readers)
+            ok = await self._wait(("mailbox-room",), lambda: mailbox.has_room(total), self._owner.timeout_s,
+                                  self.deadline_of(context), f"put of {quote(key)}")
+            if not ok:
+                raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"no room for message {quote(key)} ({total} bytes): the mailbox holds {mailbox.used} of "
+                            f"{mailbox.max_bytes} bytes and nobody took them.")
+            mailbox.reserve(total)
+            reserved = total
+            parts = [first.data]
+            received = len(first.data)
+            # Read to the end of the stream: a surplus after the announced size is refused, not dropped.
+            while received <= total:
+                chunk = await context.read()
+                if chunk is grpc.aio.EOF:
+                    break
+                if chunk is UNDECODABLE:
+                    raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"a chunk of message {quote(key)} is not a valid "
+                                "gridcomm.v1.Chunk.")
+                received += len(chunk.data)
+                parts.append(chunk.data)
+            if received != total:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"message {quote(key)} announced {total} bytes but carried {received}.")
+            mailbox.publish(key, b"".join(parts), readers)
+            reserved = 0
+            self._wake(("mailbox", key))
+            return pb.PutResponse()
+        finally:
+            if reserved:
+                mailbox.release(reserved)
+                self._wake(("mailbox-room",))
+
+    async def take(self, request: pb.TakeRequest, context: grpc.aio.ServicerContext) -> bytes:
+        """Waits for a message; returns its bytes (the caller streams them back in chunks)."""
+        mailbox = self._state.mailbox
+        member = self._caller(request.caller, "take")
+        key = request.key
+        mailbox.check_key(key)
+        if not await self._wait(("mailbox", key), lambda: key in mailbox.messages, request.wait_s,
+                                self.deadline_of(context), f"take of {quote(key)}", member=member):
+            raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"message {quote(key)} did not arrive within {request.wait_s:.1f} s")
+        data = mailbox.take(key)
+        assert data is not None
+        if key not in mailbox.messages:
+            self._wake(("mailbox-room",))
+        return data

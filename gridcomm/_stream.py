@@ -1,0 +1,123 @@
+"""The coordinator's side of a Session stream: operations read in batches, each run as its unary
+RPC runs it (:class:`gridcomm._servicer.Servicer`), results written in batches.
+
+Each operation of a stream is a task of its own; the results that complete between two writes go
+out as one reply, so a barrier that releases a rank costs its stream one message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from gridcomm._proto import coordinator_pb2 as pb
+from gridcomm._servicer import UNDECODABLE, Abort, Servicer, status_of
+
+#: What a Session operation runs: the operation of its unary RPC.
+OPERATIONS: dict[str, Callable[[Servicer, Any, float | None], Awaitable[Any]]] = {
+    "join": Servicer.join,
+    "set": Servicer.set,
+    "get": Servicer.get,
+    "barrier": Servicer.barrier,
+    "leave": Servicer.leave,
+}
+
+
+class ServerSession:
+    """One Session stream: reads batches of operations, runs each as a task, and writes the
+    results that completed since the last write as one reply."""
+
+    def __init__(self, servicer: Servicer, context: grpc.aio.ServicerContext) -> None:
+        self._servicer = servicer
+        self._context = context
+        self._results: list[pb.SessionResult] = []
+        self._ready = asyncio.Event()
+        self._closing = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        # Why a bound: a client that sends operations that never complete (gets of keys nobody
+        # sets) must not grow the coordinator without limit.
+        self._max_ops = max(1024, 2 * servicer._state.world_size + 64)
+
+    async def serve(self) -> None:
+        writer = asyncio.ensure_future(self._write())
+        try:
+            while True:
+                request = await self._context.read()
+                if request is grpc.aio.EOF:
+                    break
+                if request is UNDECODABLE:
+                    raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "a Session request is not a valid gridcomm.v1.SessionRequest.")
+                for op in request.ops:
+                    self._start(op)
+            # The client is done sending: answer what is in flight (each op's wait is bounded).
+            if self._tasks:
+                await asyncio.wait(set(self._tasks))
+            self._closing = True
+            self._ready.set()
+            await writer
+        except Exception as exc:  # noqa: BLE001 - refused with a status, never a crash
+            # Why first: a reply still being written makes the abort fail (too many operations
+            # on the call) and leaves the stream hanging; let that write end, drop the rest.
+            self._results = []
+            self._closing = True
+            self._ready.set()
+            try:
+                await asyncio.wait_for(writer, 5.0)
+            except BaseException:  # noqa: BLE001 - a writer that fails or hangs: abort anyway
+                pass
+            code, text, metadata = status_of("Session", exc)
+            await self._context.abort(code, text, trailing_metadata=metadata)
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            writer.cancel()
+
+    def _answer(self, result: pb.SessionResult) -> None:
+        self._results.append(result)
+        self._ready.set()
+
+    def _refused(self, op_id: int, name: str, exc: Exception) -> pb.SessionResult:
+        code, text, metadata = status_of(name, exc)
+        return pb.SessionResult(id=op_id, code=code.value[0], details=text,
+                                metadata=[pb.MetadataEntry(key=k, value=v) for k, v in metadata])
+
+    def _start(self, op: pb.SessionOp) -> None:
+        kind = op.WhichOneof("op")
+        operation = OPERATIONS.get(kind) if kind is not None else None
+        if operation is None:
+            self._answer(self._refused(op.id, "Session", Abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"Session operation {op.id} names no operation.")))
+            return
+        if len(self._tasks) >= self._max_ops:
+            self._answer(self._refused(op.id, f"Session {kind}", Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{kind} refused: this Session stream already has {len(self._tasks)} operations waiting.")))
+            return
+        task = asyncio.ensure_future(self._run(op.id, kind, operation, getattr(op, kind)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, op_id: int, kind: str, operation: Callable[[Servicer, Any, float | None], Awaitable[Any]],
+                   request: Any) -> None:
+        try:
+            # No deadline of its own: the operation's wait_s bounds every wait.
+            reply = await operation(self._servicer, request, None)
+        except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
+            self._answer(self._refused(op_id, f"Session {kind}", exc))
+            return
+        self._answer(pb.SessionResult(id=op_id, **{kind: reply}))
+
+    async def _write(self) -> None:
+        while True:
+            if not self._results:
+                if self._closing:
+                    return
+                await self._ready.wait()
+                self._ready.clear()
+                continue
+            batch, self._results = self._results, []
+            await self._context.write(pb.SessionReply(results=batch))

@@ -1,0 +1,99 @@
+"""What both sides of the control plane agree on: the service and trailer names, the message
+limits, and the one table between gRPC status codes and the library's errors. The client modules
+import this, never the server's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import grpc
+
+from gridcomm._errors import (
+    AuthenticationError,
+    CommAborted,
+    ConfigError,
+    CoordinatorUnavailable,
+    GridcommError,
+    RankFailedError,
+    RendezvousTimeout,
+)
+
+SERVICE_NAME = "gridcomm.v1.Coordinator"
+#: Trailers: the ranks a timed-out wait still waits for, and the rank whose failure ended a call.
+MISSING_KEY = "gridcomm-missing-ranks"
+FAILED_KEY = "gridcomm-failed-rank"
+
+#: Host-backend messages, and a key's value larger than this, travel in pieces of this size.
+CHUNK_BYTES = 1024 * 1024
+#: Largest request message the coordinator reads: a chunk plus framing. Why not more: health
+#: requests need no token and are read whole, so this bounds what each of them can make it hold.
+MAX_REQUEST_BYTES = CHUNK_BYTES + 64 * 1024
+#: Largest message sent (the coordinator's answers; a Session reply batches several).
+MAX_MESSAGE_BYTES = 80 * 1024 * 1024
+
+
+def ranks_text(ranks: Iterable[int], limit: int = 2048) -> str:
+    """The ranks of a MISSING_KEY trailer (read back by parse_ranks)."""
+    return ",".join(str(r) for r in ranks)[:limit]
+
+
+# One table from gRPC status to the library's errors (metadata refines it: see translate).
+STATUS_ERRORS: dict[grpc.StatusCode, type[GridcommError]] = {
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
+    grpc.StatusCode.INVALID_ARGUMENT: ConfigError,
+    grpc.StatusCode.OUT_OF_RANGE: ConfigError,
+    grpc.StatusCode.ALREADY_EXISTS: ConfigError,
+    grpc.StatusCode.FAILED_PRECONDITION: ConfigError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ConfigError,
+    grpc.StatusCode.NOT_FOUND: ConfigError,
+    grpc.StatusCode.ABORTED: RankFailedError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: RendezvousTimeout,
+    grpc.StatusCode.UNAVAILABLE: CoordinatorUnavailable,
+    grpc.StatusCode.UNIMPLEMENTED: CoordinatorUnavailable,
+    grpc.StatusCode.CANCELLED: CommAborted,
+}
+
+
+def _metadata_value(error: grpc.RpcError, key: str) -> str | None:
+    try:
+        trailing = error.trailing_metadata() or ()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - not a call object
+        return None
+    for k, v in trailing:
+        if k == key:
+            return v if isinstance(v, str) else v.decode()
+    return None
+
+
+def parse_ranks(text: str | None) -> list[int]:
+    if not text:
+        return []
+    out = []
+    for part in text.split(","):
+        try:
+            out.append(int(part))
+        except ValueError:
+            pass
+    return out
+
+
+def translate(error: grpc.RpcError, what: str, target: str) -> GridcommError:
+    """Turns a gRPC error into the library's error, with a message that names the call and address."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
+    details = (error.details() if hasattr(error, "details") else None) or str(code)  # type: ignore[attr-defined]
+    failed = _metadata_value(error, FAILED_KEY)
+    if failed is not None:
+        rank = int(failed) if failed.lstrip("-").isdigit() else -1
+        return RankFailedError(f"{what}: {details}", rank=rank, reason=details)
+    cls = STATUS_ERRORS.get(code, GridcommError)
+    if cls is RendezvousTimeout:
+        missing_text = _metadata_value(error, MISSING_KEY)
+        timeout = RendezvousTimeout(f"{what}: {details}", parse_ranks(missing_text))
+        # Why: a wait the server ended (it answered) differs from no answer at all.
+        timeout.from_server = missing_text is not None or details != "Deadline Exceeded"  # type: ignore[attr-defined]
+        timeout.details = details  # type: ignore[attr-defined]
+        return timeout
+    if cls is CoordinatorUnavailable:
+        return CoordinatorUnavailable(f"{what}: the coordinator at {target} is unavailable: {details}")
+    return cls(f"{what}: {details}")
