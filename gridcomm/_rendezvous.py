@@ -346,6 +346,9 @@ class JobState:
         barrier = self.barriers.get(name)
         if barrier is None:  # a name in use passed this check when its barrier opened
             self.check_barrier_name(name)
+        if self._failed:
+            # Why after the name check: a refusal names what is wrong with the request first.
+            self.check_not_failed(f"barrier {quote(name)}")
         if seq < 1:
             raise StateError(INVALID_ARGUMENT, f"barrier {quote(name)} seq {seq} must be >= 1.")
         members = self._participants(name, rank, participants) if participants else self._everyone
@@ -425,6 +428,24 @@ class JobState:
                 yield name, seq, arrived, missing, max(0.0, now - since)
 
     # ----------------------------------------------------------------- leave, failure, liveness
+    def depart(self, job_id: str, rank: int, incarnation: int, generation: int, now: float) -> None:
+        """A leave request: the caller's identity is checked, except that the same process
+        leaving again is answered as the first time (its first answer may have been lost)."""
+        member = self.members.get(rank)
+        if member is None or member.state is not MemberState.LEFT or member.incarnation != incarnation:
+            self.check_caller(job_id, rank, incarnation, generation, "leave")
+        self.leave(rank, now)
+
+    def is_current(self, member: Member) -> bool:
+        """Whether ``member`` still holds its rank (a newer process may have replaced it while it
+        waited to join)."""
+        return self.members.get(member.rank) is member
+
+    def lost_connection(self, member: Member, beat: float | None) -> bool:
+        """Whether a rank whose heartbeat call dropped at ``beat`` (its last heartbeat then) and
+        sent none since is lost: still joined, still the same process, no heartbeat after."""
+        return member.state is MemberState.JOINED and member.last_heartbeat == beat and self.is_current(member)
+
     def leave(self, rank: int, now: float) -> None:
         member = self.members[rank]
         if member.state is MemberState.JOINED:

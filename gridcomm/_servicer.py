@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import grpc
 
 from gridcomm._proto import coordinator_pb2 as pb
-from gridcomm._rendezvous import JobState, Member, MemberState, StateError, quote
+from gridcomm._rendezvous import JobState, Member, StateError, quote
 from gridcomm._wire import CHUNK_BYTES, FAILED_KEY, MISSING_KEY, ranks_text
 
 log = logging.getLogger(__name__)
@@ -299,7 +299,7 @@ class Servicer:
             self._wake(("join",))
         ok = await self._wait(("join",), lambda: state.complete, request.wait_s, deadline,
                               f"join of rank {request.rank}", member=member)
-        if state.members.get(request.rank) is not member:
+        if not state.is_current(member):
             raise Abort(grpc.StatusCode.ABORTED, f"rank {request.rank} was replaced by a newer process while joining.")
         if not ok:
             missing = state.missing_join()
@@ -358,10 +358,6 @@ class Servicer:
         name, seq = request.name, request.seq
         member = self._caller(request.caller, "barrier", now)
         barrier = state.barriers.get(name)
-        if barrier is None:
-            state.check_barrier_name(name)  # a name in use passed this check when its barrier opened
-        if state.failed:
-            state.check_not_failed(f"barrier {quote(name)}")
         before = barrier.completed if barrier is not None else 0
         completed = state.arrive(name, member.rank, seq, now, request.participants)
         for done_seq in range(before + 1, completed + 1):
@@ -399,8 +395,7 @@ class Servicer:
         return pb.HeartbeatResponse(failures=[_failure_pb(f) for f in state.failures])
 
     def _check_lost(self, member: Member, beat: float | None) -> None:
-        if member.state is MemberState.JOINED and member.last_heartbeat == beat \
-                and self._state.members.get(member.rank) is member:
+        if self._state.lost_connection(member, beat):
             self._fail(member.rank, f"rank {member.rank} on {member.hostname or '?'} lost its connection to the "
                        "coordinator without leaving (process killed, crashed, or network cut)")
 
@@ -427,12 +422,8 @@ class Servicer:
         return pb.ReportFailureResponse()
 
     async def leave(self, request: pb.LeaveRequest, deadline: float | None) -> pb.LeaveResponse:
-        state = self._state
         caller = request.caller
-        member = state.members.get(caller.rank)
-        if member is None or member.state is not MemberState.LEFT or member.incarnation != caller.incarnation:
-            state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, "leave")
-        state.leave(caller.rank, self._now())
+        self._state.depart(caller.job_id, caller.rank, caller.incarnation, caller.generation, self._now())
         # Why: barriers waiting on this rank can never complete; let them fail now.
         self.wake_all()
         self._note_departures()

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
-import textwrap
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 
+import grpc
 import pytest
 
 import gridcomm
+from tests.support.calls import coordinator
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Re-exported for tests written before tests/support existed; new code imports tests.support.procs.
+from tests.support.procs import ROOT, RankProcesses, RankResult, assert_all_ok, report  # noqa: F401
 
 
 @pytest.fixture
@@ -34,84 +30,8 @@ def coordinator_factory() -> Iterator:
         server.stop()
 
 
-@dataclass
-class RankResult:
-    rank: int
-    returncode: int | None
-    stdout: str
-    stderr: str
-
-
-class RankProcesses:
-    """One real OS process per rank, each running ``code`` with RANK/WORLD/PORT in its environment.
-
-    Always killed (by PID) in ``close()``; ``wait()`` reports every rank's output on failure.
-    """
-
-    def __init__(self, code: str, n: int, env: dict[str, str] | None = None, ranks: Sequence[int] | None = None,
-                 per_rank_env: dict[int, dict[str, str]] | None = None) -> None:
-        self.procs: dict[int, subprocess.Popen] = {}
-        # Why files, not pipes: a rank blocked on a full pipe while we wait on another rank
-        # would stall the whole job.
-        self._files: dict[int, tuple] = {}
-        base = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        base.update(env or {})
-        source = textwrap.dedent(code)
-        for rank in (range(n) if ranks is None else ranks):
-            rank_env = dict(base, GRIDCOMM_RANK=str(rank), GRIDCOMM_WORLD_SIZE=str(n))
-            rank_env.update((per_rank_env or {}).get(rank, {}))
-            out = tempfile.TemporaryFile(mode="w+")
-            err = tempfile.TemporaryFile(mode="w+")
-            self._files[rank] = (out, err)
-            self.procs[rank] = subprocess.Popen([sys.executable, "-c", source], env=rank_env, stdout=out, stderr=err,
-                                                text=True)
-
-    def wait(self, timeout_s: float) -> dict[int, RankResult]:
-        results: dict[int, RankResult] = {}
-        deadline = time.monotonic() + timeout_s
-        try:
-            for rank, proc in self.procs.items():
-                try:
-                    code: int | None = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
-                    code = None
-                out, err = self._files[rank]
-                out.seek(0)
-                err.seek(0)
-                results[rank] = RankResult(rank, code, out.read(), err.read())
-        finally:
-            self.close()
-        return results
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    pass
-        for out, err in self._files.values():
-            out.close()
-            err.close()
-        self._files = {}
-
-    def __enter__(self) -> RankProcesses:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def report(results: dict[int, RankResult]) -> str:
-    lines = []
-    for rank, r in sorted(results.items()):
-        lines.append(f"--- rank {rank}: returncode {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}")
-    return "\n".join(lines)
-
-
-def assert_all_ok(results: dict[int, RankResult]) -> None:
-    bad = [r for r in results.values() if r.returncode != 0]
-    assert not bad, "ranks failed:\n" + report(results)
+@pytest.fixture
+def fresh_server() -> Iterator[tuple[gridcomm.Coordinator, grpc.Channel]]:
+    """A coordinator for two ranks that nobody joined: garbage first, then the real client flow."""
+    with coordinator(2) as pair:
+        yield pair

@@ -26,7 +26,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import gridcomm
-from tests.conftest import ROOT
 from tests.support.http2 import (
     CONTINUATION,
     DATA,
@@ -40,6 +39,7 @@ from tests.support.http2 import (
     hpack_literal,
     status_when_back,
 )
+from tests.support.procs import ROOT, free_port
 
 TOKEN = "adversarial-test-token"
 WORLD = 2
@@ -78,16 +78,9 @@ class Served:
         return _status_kb(self.proc.pid, "VmRSS") / 1024
 
 
-def _free_port() -> int:
-    """A port the OS just handed out (GRIDCOMM_HEALTH_PORT takes no 0)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def served(tmp_path: Any) -> Iterator[Served]:
-    env = dict(os.environ, GRIDCOMM_TOKEN=TOKEN, GRIDCOMM_HEALTH_PORT=str(_free_port()), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, GRIDCOMM_TOKEN=TOKEN, GRIDCOMM_HEALTH_PORT=str(free_port()), PYTHONUNBUFFERED="1")
     stderr_path = str(tmp_path / "serve.stderr")
     with open(stderr_path, "w") as stderr:
         proc = subprocess.Popen(
@@ -388,14 +381,33 @@ def test_the_watchdog_binds_a_dead_server_again_and_waits_survive() -> None:
         main, health_server = server._main, server._health_server
         assert main is not None and health_server is not None
 
-        def squat() -> None:
-            # Why on the loop: it takes the port before the watchdog can look, so the watchdog
-            # finds a dead server it cannot bind again (the window health must not hide).
-            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the old connections linger
-            squatter.bind(("127.0.0.1", server.port))
-            squatter.listen()
+        squatting = threading.Event()
+        report = main._on_accepting
+        assert report is not None
 
-        _kill_on_loop(server, main, squat)
+        def squat_then_report(accepting: bool) -> None:
+            # Why here: the watchdog calls this on the loop when it finds the server dead, before
+            # it binds again; taking the port now makes it find a dead server it cannot replace
+            # (the window health must not hide). The dead server's listener can linger a moment
+            # after it stopped (its sockets close on gRPC's own threads), so try for up to 2 s.
+            if not accepting and not squatting.is_set():
+                squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the old connections linger
+                deadline = time.monotonic() + 2.0
+                while True:
+                    try:
+                        squatter.bind(("127.0.0.1", server.port))
+                        break
+                    except OSError:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.001)
+                squatter.listen()
+                squatting.set()
+            report(accepting)
+
+        main._on_accepting = squat_then_report
+        _kill_on_loop(server, main)
+        assert squatting.wait(5.0), "the port could not be taken after the server stopped"
         deadline = time.monotonic() + 5.0
         while server.serving and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from gridcomm import _cluster, _config
 from gridcomm._cluster import ClusterInfo, detect
 from gridcomm._errors import ConfigError
-from tests.conftest import ROOT
+from tests.support.procs import ROOT
 
 NS = "ns.svc.cluster.local"
 

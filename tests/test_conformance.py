@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import re
-import socket
 
 import pytest
 
-from tests.conftest import RankProcesses, report
-
-WORKER = open(os.path.join(os.path.dirname(__file__), "conformance.py"), encoding="utf-8").read()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.support.procs import WORKER, RankProcesses, free_port, report
 
 
 def run_suite(backend: str, world: int, timeout_s: float) -> dict:

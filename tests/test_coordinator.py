@@ -7,7 +7,7 @@ import time
 import pytest
 
 import gridcomm
-from tests.conftest import RankProcesses, assert_all_ok, report
+from tests.support.procs import RankProcesses, assert_all_ok, report, wait_for
 
 RANK_CLIENT = """
 import os, sys, gridcomm
@@ -135,7 +135,7 @@ except gridcomm.RendezvousTimeout:
 """
     # Two processes both claim rank 0; rank 1 never comes, so the first waits.
     procs = RankProcesses(code, 2, env={"PORT": str(server.port), "T": "4"}, ranks=[0])
-    time.sleep(0.5)  # let the first claim land; not synchronisation of the assertion
+    wait_for(lambda: 0 in server.state.members, "the first claim of rank 0 at the coordinator")
     second = RankProcesses(code, 2, env={"PORT": str(server.port), "T": "4"}, ranks=[0])
     r2 = second.wait(20)
     r1 = procs.wait(20)
@@ -235,7 +235,8 @@ def test_failure_report_reaches_waiters_and_turns_status(coordinator_factory):
 
     waiter = threading.Thread(target=wait_barrier)
     waiter.start()
-    time.sleep(0.3)
+    wait_for(lambda: "x" in server.state.barriers and server.state.barriers["x"].arrived[0] == 1,
+             "rank 0 waiting at barrier 'x'")
     clients[1].report_failure("CUDA error: out of memory")
     waiter.join(5)
     assert not waiter.is_alive()

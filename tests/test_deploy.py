@@ -26,7 +26,7 @@ from yamllint import linter
 from yamllint.config import YamlLintConfig
 
 from gridcomm import _cluster, _config
-from tests.conftest import ROOT
+from tests.support.procs import ROOT
 
 DEPLOY = os.path.join(ROOT, "deploy")
 K8S = os.path.join(DEPLOY, "k8s")

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.conftest import RankProcesses, report
+from tests.support.procs import RankProcesses, report
 
 HB = 3.0  # heartbeat timeout used in these tests (seconds)
 

@@ -14,8 +14,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, RankProcesses, report
-from tests.test_conformance import WORKER
+from tests.support.procs import ROOT, WORKER, RankProcesses, report
 
 pytestmark = pytest.mark.gpu
 
@@ -177,7 +176,7 @@ def _gpus() -> int:
 def test_nccl_conformance_two_gpus():
     if _gpus() < 2:
         pytest.skip("needs 2 GPUs (NCCL refuses two ranks on one GPU)")
-    from tests.test_conformance import free_port
+    from tests.support.procs import free_port
 
     env = {"BACKEND": "nccl", "GRIDCOMM_PORT": str(free_port()), "GRIDCOMM_BIND": "127.0.0.1",
            "GRIDCOMM_TIMEOUT_S": "120"}
@@ -195,7 +194,7 @@ def test_nccl_conformance_two_gpus():
 def test_peer_killed_inside_an_nccl_collective_aborts_the_survivor():
     if _gpus() < 2:
         pytest.skip("needs 2 GPUs")
-    from tests.test_conformance import free_port
+    from tests.support.procs import free_port
 
     code = """
 import os, sys, time, cupy, gridcomm

@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import gridcomm
-from tests.conftest import ROOT
+from tests.support.procs import ROOT
 
 ENV = dict(os.environ, PYTHONPATH=ROOT)
 

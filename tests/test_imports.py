@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import ROOT
+from tests.support.procs import ROOT
 
 PKG = os.path.join(ROOT, "gridcomm")
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support.procs import ROOT
 
 ENV = dict(os.environ, PYTHONPATH=ROOT, GRIDCOMM_TIMEOUT_S="60")
 
@@ -79,7 +79,7 @@ def test_cupyx_style_program_runs_unchanged_on_host(nproc):
 def test_init_process_group_from_a_torchrun_environment(tmp_path):
     """No arguments at all: rank, world size and rank 0's address come from torchrun's variables
     through the cluster detector (GRIDCOMM_PORT, since torchrun's own agent holds MASTER_PORT)."""
-    from tests.test_conformance import free_port
+    from tests.support.procs import free_port
 
     script = tmp_path / "torchrun_style.py"
     script.write_text("import numpy as np, gridcomm\n"

@@ -210,6 +210,51 @@ def test_a_caller_unknown_after_the_rendezvous_is_told_the_coordinator_restarted
         state.check_caller("job", 1, 7, 0, "heartbeat")
 
 
+def test_leaving_twice_is_answered_as_the_first_time_but_only_for_the_same_process():
+    state = joined(2)
+    state.depart("job", 1, 101, 1, now=1.0)
+    state.depart("job", 1, 101, 1, now=2.0)  # its first answer was lost: the same answer
+    assert state.members[1].state is MemberState.LEFT and state.left_count == 1
+    with pytest.raises(StateError, match="incarnation"):
+        state.depart("job", 1, 999, 1, now=3.0)  # another process for the rank
+    with pytest.raises(StateError):
+        state.depart("other-job", 0, 100, 1, now=3.0)
+
+
+def test_a_dropped_heartbeat_call_is_a_lost_connection_only_without_a_later_heartbeat():
+    state = joined(2)
+    state.heartbeat(0, now=1.0)
+    member = state.members[0]
+    beat = member.last_heartbeat
+    assert state.lost_connection(member, beat)
+    state.heartbeat(0, now=2.0)  # it dialled again within the grace
+    assert not state.lost_connection(member, beat)
+    state.heartbeat(1, now=1.0)
+    beat1 = state.members[1].last_heartbeat
+    state.leave(1, now=1.5)  # a clean leave, then the connection went: not a failure
+    assert not state.lost_connection(state.members[1], beat1)
+
+
+def test_a_member_replaced_while_joining_is_no_longer_current():
+    state = JobState(2, "job", now=0.0, limits=Limits(stale_join_s=1.0))
+    state.join("job", 0, 2, 7, "h0", now=0.0)
+    first = state.members[0]
+    assert state.is_current(first)
+    state.join("job", 0, 2, 8, "h0", now=5.0)  # a new process for rank 0 before the rendezvous
+    assert not state.is_current(first) and state.is_current(state.members[0])
+
+
+def test_a_barrier_after_a_failure_names_a_bad_name_first_then_the_failure():
+    state = joined(2)
+    state.fail(1, "gone", reported_by=-1, now=1.0)
+    with pytest.raises(StateError) as bad_name:
+        state.arrive("", 0, 1, now=2.0)
+    assert bad_name.value.code == INVALID_ARGUMENT
+    with pytest.raises(StateError) as failed:
+        state.arrive("b", 0, 1, now=2.0)
+    assert failed.value.code == ABORTED and failed.value.failed_rank == 1 and "b" not in state.barriers
+
+
 def test_failure_is_first_report_wins_and_blocks_later_work():
     state = joined(3)
     first = state.fail(2, "boom", reported_by=2, now=5.0)

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tests.conftest import RankProcesses, assert_all_ok
+from tests.support.procs import RankProcesses, assert_all_ok
 
 PROCS = int(os.environ.get("GRIDCOMM_SCALE_PROCS", "32"))
 THREADS = int(os.environ.get("GRIDCOMM_SCALE_THREADS", "64"))

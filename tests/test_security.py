@@ -10,7 +10,7 @@ import pytest
 
 import gridcomm
 from gridcomm import _config
-from tests.conftest import ROOT, RankProcesses, report
+from tests.support.procs import ROOT, RankProcesses, report
 
 pytestmark = pytest.mark.skipif(subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
                                 reason="needs the openssl command to make test certificates")

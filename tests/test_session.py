@@ -43,7 +43,7 @@ import gridcomm
 from gridcomm._client import fetch_status
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
-from tests.test_fuzz import (
+from tests.support.calls import (
     OK,
     SERVICE,
     UNDECODABLE,
@@ -55,6 +55,7 @@ from tests.test_fuzz import (
     coordinator,
     start_coordinator,
 )
+from tests.support.procs import wait_for
 
 MODES = ("client", "off")
 #: Bound on any single wait in these tests (a hang fails the test instead of stalling it).
@@ -67,17 +68,6 @@ UNARY = ("Join", "Set", "Get", "Barrier", "Heartbeat", "ReportFailure", "Leave",
 
 
 _GRPC_BEFORE_1_84 = tuple(int(p) for p in grpc.__version__.split(".")[:2]) < (1, 84)
-
-
-def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = 10.0) -> Any:
-    """Polls ``predicate`` until it is truthy (its value is returned) or fails after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.02)
 
 
 def client(port: int, rank: int, world: int, mode: str, **kwargs: Any) -> gridcomm.CoordinatorClient:
