@@ -277,6 +277,13 @@ def health_port(explicit: int | None = None, environ: Mapping[str, str] | None =
     return None if found is None else _parse_int(found[0], found[1], minimum=1, maximum=65535)
 
 
+def data_host(environ: Mapping[str, str] | None = None) -> str | None:
+    """The address the host backend's data plane listens on and publishes to its peers:
+    GRIDCOMM_DATA_HOST, else None (the address of this host on the route to the coordinator)."""
+    found = _first(_env(environ), ("GRIDCOMM_DATA_HOST",))
+    return None if found is None else validate_host(found[0], found[1])
+
+
 @dataclasses.dataclass(frozen=True)
 class TlsFiles:
     """TLS material (PEM bytes) from GRIDCOMM_TLS_*; see :func:`tls`."""
