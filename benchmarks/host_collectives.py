@@ -142,8 +142,9 @@ def collect(procs: list[Any], outputs: list[Any], timeout_s: float) -> dict[int,
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
-    for proc, out in zip(procs, outputs):
-        text = out() if callable(out) else (out.seek(0), out.read())[1]
+    for proc, out in zip(procs, outputs, strict=True):
+        out.seek(0)
+        text = out.read()
         for line in text.splitlines():
             if line.startswith("RESULT "):
                 record = json.loads(line[7:])
@@ -220,7 +221,7 @@ def table(runs: dict[str, list[dict[int, float]]], sizes: list[int]) -> str:
             cells.append(f"{fmt_s(medians[peer])} [{fmt_s(min(values))}..{fmt_s(max(values))}]")
         if len(medians) == 2:
             ratio = f"{medians['gridcomm'] / medians['gloo']:.2f}x"
-            per_rep = [g[size] / t[size] for g, t in zip(runs["gridcomm"], runs["gloo"])]
+            per_rep = [g[size] / t[size] for g, t in zip(runs["gridcomm"], runs["gloo"], strict=True)]
             spread = f"{min(per_rep):.2f}x..{max(per_rep):.2f}x"
         else:
             ratio = spread = "-"

@@ -411,6 +411,8 @@ class Link:
         self._want_write = False
         self._want_credit = False
         self._held = False
+        #: The peer said goodbye: nothing more will come from it.
+        self._gone = False
         self._out_seq = 0
         self._in_seq = 0
         self.closed = False
@@ -427,7 +429,7 @@ class Link:
         self._in_seq = (self._in_seq + 1) & 0xFFFFFFFF
         msg = Incoming(op, self._in_seq, total, dest, reduce, after, itemsize)
         self._in.append(msg)
-        self._held = False
+        self._held = self._gone
         return msg
 
     def busy(self) -> bool:
@@ -452,8 +454,20 @@ class Link:
         return " and ".join(parts) or "flushing"
 
     # ------------------------------------------------------------------ progress
+    def _check_gone(self) -> None:
+        """After the peer's goodbye: an error if this rank still has a message for it or from it;
+        else what is left to write (credits) is dropped, since nobody will read it."""
+        if not self._gone:
+            return
+        if self._out or self._in or self._cur is not None:
+            raise _Lost(self, "stopped its communicator (a clean stop) while this rank still exchanged with it",
+                        clean=True)
+        self._wq.clear()
+        self._wq_bytes = 0
+
     def pump(self) -> bool:
         """Moves whatever can move without blocking; True if anything did."""
+        self._check_gone()
         moved = self._write()
         moved = self._read() or moved
         if self._wq or self._out:
@@ -598,8 +612,13 @@ class Link:
                 moved = True
                 continue
             if kind == _BYE:
-                raise _Lost(self, "stopped its communicator (a clean stop) while this rank still exchanged with it",
-                            clean=True)
+                # Why not an error at once: a peer that got all it needed from this rank may stop
+                # while this rank still reads the peer's last frames (they came first).
+                self._rlo += _FRAME.size
+                self._gone = True
+                self._check_gone()
+                self._held = True
+                return True
             if kind not in (_DATA, _SHM):
                 raise self._bad(f"a frame of unknown kind {kind}")
             if not self._in:
