@@ -104,7 +104,8 @@ def init_process_group(
         plane = None
         if kind == "host":
             plane = PlaneConfig(token=secret, tls=tls, host=local_address(route_host, _config.data_host()),
-                                timeout_s=wait_s, verdict_s=client.heartbeat_timeout_s + 1.0)
+                                timeout_s=wait_s, verdict_s=client.heartbeat_timeout_s + 1.0,
+                                shm=_config.shared_memory())
         impl = build_backend(kind, client, "world", my_rank, world_size, plane=plane)
     except BaseException as exc:
         if watcher is not None:

@@ -138,7 +138,6 @@ class Communicator:
         log.error("rank %d: %s; aborting the communicator", root.rank, error)
         root._close(error)
         root._abort_backends(error)
-        root._client.cancel_inflight()
         if root._health is not None:
             root._health.set(live=False, ready=False)
 
@@ -299,6 +298,8 @@ class Communicator:
         if self._finalized:
             return
         self._finalized = True
+        if self._watcher is not None:
+            self._watcher.stop()
         # Why every backend, also after a failure or abort (where stop() frees none): the host
         # backend's sockets and shared memory go now, not at interpreter exit. Idempotent.
         for backend in self._all_backends():
@@ -306,8 +307,6 @@ class Communicator:
                 backend.destroy()
             except Exception as exc:  # noqa: BLE001 - best effort; leaving still matters more
                 log.warning("rank %d: freeing a backend failed: %s", self.rank, exc)
-        if self._watcher is not None:
-            self._watcher.stop()
         if self._health is not None:
             # A failure seen earlier already turned liveness off; it stays off.
             self._health.set(live=False if report is not None else None, ready=False)

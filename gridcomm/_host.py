@@ -136,7 +136,8 @@ class HostBackend:
         self._plane.on_broken = hook
 
     def transports(self) -> dict[int, str]:
-        """Each peer this rank has a link to, and how it moves payloads (shm, tcp or tls)."""
+        """Each peer this rank has a link to, and how it moves payloads: shm or tcp, +tls where
+        its socket is TLS."""
         return self._plane.transports()
 
     # ------------------------------------------------------------------ building blocks

@@ -144,6 +144,8 @@ class PlaneConfig:
     #: How long a rank whose peer's connection broke waits for the coordinator's verdict before
     #: it names that peer itself (the liveness bound, plus slack).
     verdict_s: float
+    #: Whether ranks of one host may exchange through /dev/shm (GRIDCOMM_SHM).
+    shm: bool = True
 
 
 def local_address(route_host: str, explicit: str | None = None) -> str:
@@ -388,7 +390,9 @@ class Link:
         self.tls = isinstance(sock, ssl.SSLSocket)
         self.shm_out = shm_out
         self.shm_in = shm_in
-        self.transport = "shm" if shm_out is not None else ("tls" if self.tls else "tcp")
+        #: How payloads move: "shm" or "tcp", "+tls" when the socket (frames, or doorbells and
+        #: credits next to shared memory) is TLS.
+        self.transport = ("shm" if shm_out is not None else "tcp") + ("+tls" if self.tls else "")
         self._free = list(range(shm_out.slots)) if shm_out is not None else []
         self._used: set[int] = set()
         self._out: collections.deque[Outgoing] = collections.deque()
@@ -941,7 +945,7 @@ class Plane:
         self.label = f"rank {rank} of communicator {name!r}"
         self.id = secrets.token_bytes(16)
         self.key = config.token.encode() if config.token else b""
-        self.host_key = _shm.host_key() if _shm.usable() else b""
+        self.host_key = _shm.host_key() if config.shm and _shm.usable() else b""
         self._lookup = lookup
         self._cards: dict[int, Card] = {}
         self._links: dict[int, Link] = {}
@@ -967,19 +971,22 @@ class Plane:
         return bool(self.host_key) and hmac.compare_digest(self.host_key, peer_host_key)
 
     def transports(self) -> dict[int, str]:
-        """Each connected peer and how its link moves payloads: shm, tcp or tls."""
+        """Each connected peer and how its link moves payloads: shm or tcp, +tls on TLS sockets."""
         return {peer: link.transport for peer, link in sorted(self._links.items())}
 
     # ------------------------------------------------------------------ failure
     def abort(self, error: BaseException) -> None:
         """The communicator failed (called from any thread): the wait in progress, and every later
         call, raises ``error``."""
-        if self._failure is None:
-            self._failure = error
-        try:
-            os.write(self._wake_w, b"!")
-        except OSError:
-            pass  # full (already woken) or closed
+        with self._lock:
+            if self._failure is None:
+                self._failure = error
+            if self.closed:
+                return  # its pipe is closed (and the descriptor may belong to another file now)
+            try:
+                os.write(self._wake_w, b"!")
+            except OSError:
+                pass  # full: already woken
 
     def check(self) -> None:
         """Raises the failure or the breakage that ended this plane, if any; starts a call's deadline."""
@@ -1011,10 +1018,10 @@ class Plane:
                 log.warning("%s: dropped a second connection from rank %d (%s)", self.label, link.peer, link.addr)
                 return False
             self._adopted[link.peer] = link
-        try:
-            os.write(self._note_w, b".")
-        except OSError:
-            pass
+            try:
+                os.write(self._note_w, b".")
+            except OSError:
+                pass  # full: already noted
         return True
 
     def link(self, peer: int) -> Link:

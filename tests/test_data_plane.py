@@ -20,9 +20,11 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.test_conformance import WORKER, free_port, shm_names
+from tests.test_security import pki, tls_env
 
 make_topology = conftest_netns.make_topology
 netns_usable = conftest_netns.netns_usable
+pki = pki  # the module-scoped certificate fixture, used here too
 
 HB = 3.0  # GRIDCOMM_HEARTBEAT_TIMEOUT_S in these tests
 SLACK_S = 2.0  # the issue's allowance on top of the liveness bound
@@ -255,3 +257,32 @@ def test_eight_ranks_on_two_namespace_hosts_pass_the_conformance_suite(
         assert {str((rank + 1) % 8), str((rank - 1) % 8)} <= set(links), links
     for rank, proc in procs.items():
         assert proc.wait(60) == 0, f"rank {rank}:\n{proc.stderr()[-3000:]}"
+
+
+TLS_JOB = """
+import json, os, numpy as np, gridcomm
+rank = int(os.environ["GRIDCOMM_RANK"])
+with gridcomm.init_process_group(backend="host") as comm:
+    for n in (1, 300_000):  # 4 B inline; 1.2 MB in socket frames (or shared-memory slots)
+        x = np.arange(n, dtype=np.float32) * (rank + 1)
+        comm.all_reduce(x, x)
+        assert (x == np.arange(n, dtype=np.float32) * 3).all()
+    print("TRANSPORTS " + json.dumps(comm._backend.transports()), flush=True)
+print("OK", flush=True)
+"""
+
+
+@pytest.mark.skipif(subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
+                    reason="needs the openssl command to make test certificates")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shm, transport", [("0", "tcp+tls"), ("1", "shm+tls")])
+def test_the_data_plane_uses_tls_when_the_job_does(ranks: Callable[..., Ranks], pki: dict[str, str], shm: str,
+                                                   transport: str) -> None:
+    env = base_env(GRIDCOMM_HOST="localhost", GRIDCOMM_TLS_SERVER_NAME="localhost", GRIDCOMM_TOKEN="the-token",
+                   GRIDCOMM_SHM=shm, **tls_env(pki, mtls=True, client="client"))
+    job = ranks(TLS_JOB, 2, env)
+    for rank in (0, 1):
+        links = json.loads(job.expect(rank, r"^TRANSPORTS ", STARTUP_S).string.split(" ", 1)[1])
+        assert links == {str(1 - rank): transport}, links
+        job.expect(rank, r"^OK$", 30)
+        assert job.procs[rank].wait(30) == 0, job.report()
