@@ -847,6 +847,10 @@ class Endpoint:
                 self._refusals.report("data-plane endpoint %s:%d: dropped a connection from %s: %s", self.host,
                                       self.port, peer_addr, reason)
             sock.close()
+        except Exception:  # noqa: BLE001 - a bug here must cost one connection, not the endpoint
+            log.exception("data-plane endpoint %s:%d: admitting a connection from %s failed", self.host, self.port,
+                          peer_addr)
+            sock.close()
         finally:
             self._slots.release()
 
@@ -1035,6 +1039,8 @@ class Plane:
         except _Woken:
             assert self._failure is not None
             raise self._break(self._failure, report=False) from None
+        except DataPlaneError as exc:  # e.g. a card in the store that does not parse
+            raise self._break(exc, report=True) from None
         log.debug("%s: link to rank %d (%s) over %s", self.label, peer, link.addr, link.transport)
         self._links[peer] = link
         return link
