@@ -955,11 +955,11 @@ class Plane:
         self._links: dict[int, Link] = {}
         self._adopted: dict[int, Link] = {}
         self._lock = threading.Lock()
+        self._client_ctx = tls_contexts(config.tls)[1] if config.tls is not None else None
         self._wake_r, self._wake_w = os.pipe()
         self._note_r, self._note_w = os.pipe()
         for fd in (self._wake_r, self._wake_w, self._note_r, self._note_w):
             os.set_blocking(fd, False)
-        self._client_ctx = tls_contexts(config.tls)[1] if config.tls is not None else None
         self._failure: BaseException | None = None
         self._broken: BaseException | None = None
         self.closed = False
@@ -967,7 +967,12 @@ class Plane:
         #: Called with the error when this plane breaks on its own (bad bytes, a deadline): the
         #: communicator then reports this rank failed, so its peers are told instead of waiting.
         self.on_broken: Callable[[BaseException], None] | None = None
-        self._endpoint = _acquire_endpoint(config.host, config.tls, self)
+        try:
+            self._endpoint = _acquire_endpoint(config.host, config.tls, self)
+        except BaseException:
+            for fd in (self._wake_r, self._wake_w, self._note_r, self._note_w):
+                os.close(fd)
+            raise
         self.card = Card(config.host, self._endpoint.port, self.id, self.host_key)
 
     def same_host(self, peer_host_key: bytes) -> bool:
