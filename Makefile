@@ -67,9 +67,24 @@ $(BENCH_VENV)/.installed: pyproject.toml
 bench: $(BENCH_VENV)/.installed
 	$(BENCH_VENV)/bin/python benchmarks/rendezvous.py $(BENCH_ARGS) --markdown BENCHMARKS.md
 
+# The host backend's all_reduce against torch's gloo (a few minutes); prints a table for
+# BENCHMARKS.md. Its peer lives in a virtualenv of its own, with only the CPU build of torch.
+GLOO_VENV ?= .venv-gloo
+BENCH_HOST_ARGS ?= --ranks 4 --sizes 4,1048576,16777216 --reps 7
+
+$(GLOO_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(GLOO_VENV)
+	$(GLOO_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GLOO_VENV)/bin/python -m pip install -q -e '.[bench-gloo]'
+	touch $@
+
+.PHONY: bench-host
+bench-host: $(GLOO_VENV)/.installed
+	$(GLOO_VENV)/bin/python benchmarks/host_collectives.py $(BENCH_HOST_ARGS)
+
 lint: $(BIN)/.installed
 	$(BIN)/ruff check gridcomm tests benchmarks
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(PROTO_VENV) .proto-check .pytest_cache
+	rm -rf $(VENV) $(PROTO_VENV) $(GLOO_VENV) .proto-check .pytest_cache

@@ -10,6 +10,7 @@ from gridcomm._client import CoordinatorClient
 from gridcomm._comm import Communicator, FailureLatch, build_backend
 from gridcomm._errors import ConfigError, GridcommError
 from gridcomm._liveness import RankHealth, Watcher
+from gridcomm._p2p import PlaneConfig, local_address
 from gridcomm._server import Coordinator
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,9 @@ def init_process_group(
     if health_port is not None and not (my_rank == 0 and _config.coordinator_mode() == "embedded"):
         # Up before the rendezvous, so kubelet's liveness probe passes while ranks gather.
         health = RankHealth(health_port, _config.bind_address()).start()
+    # The data plane's address is found on the route to the coordinator's configured name (rank 0
+    # dials its own server on loopback below, which says nothing about what its peers can reach).
+    route_host = dial_host
     if my_rank == 0 and _config.coordinator_mode() == "embedded":
         bind = _config.bind_address()
         coordinator = Coordinator(world_size, bind=bind, port=dial_port, token=secret, tls=tls,
@@ -97,7 +101,12 @@ def init_process_group(
         watcher = Watcher(client.target, client.tls, client.metadata, client.caller, client.heartbeat_timeout_s,
                           latch.fire, coordinator_rank=0 if _config.coordinator_mode() == "embedded" else None)
         watcher.start()
-        impl = build_backend(kind, client, "world", my_rank, world_size)
+        plane = None
+        if kind == "host":
+            plane = PlaneConfig(token=secret, tls=tls, host=local_address(route_host, _config.data_host()),
+                                timeout_s=wait_s, verdict_s=client.heartbeat_timeout_s + 1.0,
+                                shm=_config.shared_memory())
+        impl = build_backend(kind, client, "world", my_rank, world_size, plane=plane)
     except BaseException as exc:
         if watcher is not None:
             watcher.stop()

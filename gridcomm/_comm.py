@@ -17,6 +17,7 @@ from typing import Any
 from gridcomm._client import CoordinatorClient
 from gridcomm._errors import CommAborted, ConfigError, GridcommError, RankFailedError, coordinator_lost
 from gridcomm._liveness import RankHealth, Watcher
+from gridcomm._p2p import PlaneConfig
 from gridcomm._server import Coordinator
 
 log = logging.getLogger(__name__)
@@ -25,13 +26,19 @@ COLLECTIVES = ("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gathe
                "scatter", "gather", "all_to_all")
 
 
-def build_backend(kind: str, client: CoordinatorClient, name: str, rank: int, size: int) -> Any:
+def build_backend(kind: str, client: CoordinatorClient, name: str, rank: int, size: int, *,
+                  plane: PlaneConfig | None = None, participants: Sequence[int] = ()) -> Any:
     """Creates this rank's backend for communicator ``name``; for NCCL, its rank 0 makes the unique
-    ID (the NCCL bootstrap root lives in the creating process) and the others fetch it."""
+    ID (the NCCL bootstrap root lives in the creating process) and the others fetch it. The host
+    backend publishes its data-plane address (``plane``) and waits, with the ``participants``
+    (job ranks; empty: all), until every member has."""
     if kind == "host":
         from gridcomm._host import HostBackend
 
-        return HostBackend(client, name, rank, size)
+        if plane is None:
+            raise ConfigError("the host backend needs its data-plane settings (PlaneConfig); build it through "
+                              "init_process_group.")
+        return HostBackend(client, name, rank, size, config=plane, participants=participants)
     from gridcomm import _nccl
 
     key = f"{name}/nccl-unique-id"
@@ -107,6 +114,8 @@ class Communicator:
         for method in COLLECTIVES:
             setattr(self, method, getattr(backend, method))
         backend.on_invalid = self._invalid_call
+        if backend.kind == "host":
+            backend.on_broken = self._broken_data_plane
         backend.coordinator_rank = self.coordinator_rank
         if health is not None:
             health.set(live=True, ready=True)
@@ -129,7 +138,6 @@ class Communicator:
         log.error("rank %d: %s; aborting the communicator", root.rank, error)
         root._close(error)
         root._abort_backends(error)
-        root._client.cancel_inflight()
         if root._health is not None:
             root._health.set(live=False, ready=False)
 
@@ -150,6 +158,12 @@ class Communicator:
         """A collective was called with invalid arguments: peers may already wait inside it, so
         this rank is reported failed (they get RankFailedError naming it instead of hanging)."""
         self.abort(f"invalid call: {error}")
+
+    def _broken_data_plane(self, error: BaseException) -> None:
+        """The host backend's data plane broke on its own (bad bytes from a peer, a call past its
+        deadline): its messages are half moved, so this rank is reported failed and its peers get
+        RankFailedError naming it instead of waiting for bytes that will not come."""
+        self.abort(f"its data plane broke: {error}")
 
     # ------------------------------------------------------------------ collectives (bound per instance)
     def all_reduce(self, in_array: Any, out_array: Any, op: str = "sum", stream: Any = None) -> None:
@@ -235,9 +249,11 @@ class Communicator:
             backend = self._backend.split(color_v, key_v, new_rank, len(ranks))
         if color_v < 0:
             return None
+        members = [self.members[r] for r in ranks]
         if backend is None:
-            backend = build_backend(self.backend, self._client, name, new_rank, len(ranks))
-        child = Communicator(backend, self._client, name=name, members=[self.members[r] for r in ranks], parent=self)
+            backend = build_backend(self.backend, self._client, name, new_rank, len(ranks),
+                                    plane=getattr(self._backend, "config", None), participants=sorted(members))
+        child = Communicator(backend, self._client, name=name, members=members, parent=self)
         self._children.append(child)
         return child
 
@@ -284,6 +300,13 @@ class Communicator:
         self._finalized = True
         if self._watcher is not None:
             self._watcher.stop()
+        # Why every backend, also after a failure or abort (where stop() frees none): the host
+        # backend's sockets and shared memory go now, not at interpreter exit. Idempotent.
+        for backend in self._all_backends():
+            try:
+                backend.destroy()
+            except Exception as exc:  # noqa: BLE001 - best effort; leaving still matters more
+                log.warning("rank %d: freeing a backend failed: %s", self.rank, exc)
         if self._health is not None:
             # A failure seen earlier already turned liveness off; it stays off.
             self._health.set(live=False if report is not None else None, ready=False)

@@ -281,6 +281,27 @@ def health_port(explicit: int | None = None, environ: Mapping[str, str] | None =
     return None if found is None else _parse_int(found[0], found[1], minimum=1, maximum=65535)
 
 
+def data_host(environ: Mapping[str, str] | None = None) -> str | None:
+    """The address the host backend's data plane listens on and publishes to its peers:
+    GRIDCOMM_DATA_HOST, else None (the address of this host on the route to the coordinator)."""
+    found = _first(_env(environ), ("GRIDCOMM_DATA_HOST",))
+    return None if found is None else validate_host(found[0], found[1])
+
+
+def shared_memory(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether host-backend ranks of one host may exchange through /dev/shm: GRIDCOMM_SHM (``0``,
+    ``off``, ``false`` or ``no`` turn it off, e.g. where /dev/shm is too small), default on."""
+    found = _first(_env(environ), ("GRIDCOMM_SHM",))
+    if found is None:
+        return True
+    value = found[1].lower()
+    if value in ("1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ConfigError(f"GRIDCOMM_SHM={found[1]!r} must be 1/on/true/yes or 0/off/false/no.")
+
+
 @dataclasses.dataclass(frozen=True)
 class TlsFiles:
     """TLS material (PEM bytes) from GRIDCOMM_TLS_*; see :func:`tls`."""

@@ -57,6 +57,12 @@ class CoordinatorLost(RankFailedError, CoordinatorUnavailable):
     rank 0 is taken as failed (``rank == 0``). Catchable as either parent."""
 
 
+class DataPlaneError(GridcommError):
+    """Raised when a host-backend peer connection breaks the data-plane protocol: bytes that are not
+    a valid frame, a message of another size or for another call than this rank expected, or a
+    handshake that does not follow the protocol. The message names both ranks and the address."""
+
+
 class ArgumentError(ConfigError):
     """Raised when a collective is called with an invalid array, shape, dtype, op, root or peer."""
 

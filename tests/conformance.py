@@ -8,12 +8,15 @@ on every backend, and that split and barrier work. Prints "CASE name ok|FAIL ...
 final "SUMMARY passed=N failed=M" line; exits non-zero on any failure.
 
 Environment: GRIDCOMM_RANK, GRIDCOMM_WORLD_SIZE, GRIDCOMM_PORT (and GRIDCOMM_BIND), BACKEND,
-SEED.
+SEED, SIZE (elements per rank in each case; 7 by default, larger to reach the host backend's
+bandwidth algorithms and its shared memory). The host backend also prints a "TRANSPORTS" line:
+how each of this rank's links moved its payloads.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 import traceback
@@ -25,6 +28,7 @@ import gridcomm
 
 BACKEND = os.environ.get("BACKEND", "host")
 SEED = int(os.environ.get("SEED", "1234"))
+SIZE = int(os.environ.get("SIZE", "7"))
 RANK = int(os.environ["GRIDCOMM_RANK"])
 WORLD = int(os.environ["GRIDCOMM_WORLD_SIZE"])
 
@@ -130,7 +134,7 @@ def case(name: str):
 
 def run(comm: gridcomm.Communicator) -> None:
     W, R = comm.world_size, comm.rank
-    n = 7  # odd sizes catch off-by-one chunking
+    n = SIZE  # odd sizes catch off-by-one chunking
     for dtype in DTYPES:
         for op in OPS:
             if not valid_op(dtype, op):
@@ -257,6 +261,21 @@ def run(comm: gridcomm.Communicator) -> None:
         got = host(y, "float32")
         assert got[0] == got[-1] == W * (W + 1) / 2, (got[0], got[-1])
 
+    if BACKEND == "host":
+        @case("results are bit-identical on every rank")
+        def _():
+            # Random floats, so every rounding shows: each rank's result, hashed, must be the
+            # same everywhere (small sizes take recursive doubling, large ones the ring).
+            for shape in [(5,), (W * 50_000 + 3,)]:
+                for op in ("sum", "prod", "min", "max", "avg"):
+                    x = np.random.default_rng([SEED, R, shape[0]]).standard_normal(shape).astype(np.float32)
+                    y = np.empty_like(x)
+                    comm.all_reduce(x, y, op=op)
+                    mine = np.array([zlib.crc32(y.tobytes())], dtype=np.int64)
+                    every = np.empty(W, dtype=np.int64)
+                    comm.all_gather(mine, every, 1)
+                    assert len(set(every.tolist())) == 1, (shape, op, every)
+
     def check_invalid() -> None:
         x = xp.zeros(4, dtype=xp.float32)
         bad = [
@@ -328,6 +347,8 @@ def main() -> int:
     comm = gridcomm.init_process_group(WORLD, RANK, backend=BACKEND)
     try:
         run(comm)
+        if BACKEND == "host":
+            print("TRANSPORTS " + json.dumps(comm._backend.transports()), flush=True)
     finally:
         comm.stop()
     print(f"SUMMARY passed={RESULTS['passed']} failed={RESULTS['failed']}", flush=True)

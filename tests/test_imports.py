@@ -33,6 +33,8 @@ LAYERS = {
     "_liveness": 4.5,
     "_validate": 5,
     "_nccl": 5,
+    "_shm": 5,
+    "_p2p": 5,
     "_host": 5,
     "_comm": 6,
     "_api": 7,
@@ -43,7 +45,7 @@ LAYERS = {
     "__main__": 10,
 }
 # Modules that may import grpc; the NCCL backend must not, and the control plane never imports cupy.
-GRPC_FREE = {"_errors", "_config", "_eventloop", "_rendezvous", "_nccl", "_validate"}
+GRPC_FREE = {"_errors", "_config", "_eventloop", "_rendezvous", "_nccl", "_validate", "_shm", "_p2p"}
 CUPY_ALLOWED = {"_nccl", "_comm", "_api", "_demo", "_launch"}
 
 
