@@ -12,6 +12,7 @@ from tests.support.calls import coordinator
 
 # Re-exported for tests written before tests/support existed; new code imports tests.support.procs.
 from tests.support.procs import ROOT, RankProcesses, RankResult, assert_all_ok, report  # noqa: F401
+from tests.support.tls import make_pki
 
 
 @pytest.fixture
@@ -35,3 +36,9 @@ def fresh_server() -> Iterator[tuple[gridcomm.Coordinator, grpc.Channel]]:
     """A coordinator for two ranks that nobody joined: garbage first, then the real client flow."""
     with coordinator(2) as pair:
         yield pair
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, str]:
+    """Test certificates (see tests/support/tls.py): name -> path without .pem/.key."""
+    return make_pki(str(tmp_path_factory.mktemp("pki")))

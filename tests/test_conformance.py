@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import pytest
 
-from tests.support.procs import WORKER, RankProcesses, free_port, report
+from tests.support.procs import WORKER, RankProcesses, free_port, report, shm_names
 
 
 def run_suite(backend: str, world: int, timeout_s: float, **extra: str) -> dict:
@@ -27,14 +26,6 @@ def run_suite(backend: str, world: int, timeout_s: float, **extra: str) -> dict:
 
 #: The last run's "TRANSPORTS" line of each rank: peer -> how the link moved payloads.
 TRANSPORTS: dict[int, dict[str, str]] = {}
-
-
-def shm_names() -> set[str]:
-    """gridcomm's segment names in /dev/shm (there should be none once the ranks have set up)."""
-    try:
-        return {name for name in os.listdir("/dev/shm") if name.startswith("gridcomm-")}
-    except FileNotFoundError:
-        return set()
 
 
 @pytest.mark.timeout(300)

@@ -18,13 +18,11 @@ import conftest_netns
 import netns
 import pytest
 
-from tests.conftest import ROOT
-from tests.test_conformance import WORKER, free_port, shm_names
-from tests.test_security import pki, tls_env
+from tests.support.procs import ROOT, WORKER, free_port, shm_names
+from tests.support.tls import tls_env
 
 make_topology = conftest_netns.make_topology
 netns_usable = conftest_netns.netns_usable
-pki = pki  # the module-scoped certificate fixture, used here too
 
 HB = 3.0  # GRIDCOMM_HEARTBEAT_TIMEOUT_S in these tests
 SLACK_S = 2.0  # the allowance on top of the liveness bound

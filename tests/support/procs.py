@@ -31,6 +31,14 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = 10.0) -
         time.sleep(0.02)
 
 
+def shm_names() -> set[str]:
+    """gridcomm's segment names in /dev/shm (there should be none once the ranks have set up)."""
+    try:
+        return {name for name in os.listdir("/dev/shm") if name.startswith("gridcomm-")}
+    except FileNotFoundError:
+        return set()
+
+
 def free_port() -> int:
     """A port the OS just handed out (for settings that take no 0)."""
     with socket.socket() as sock:
