@@ -15,7 +15,7 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -117,8 +117,6 @@ class CoordinatorClient:
         self._session: _session.Session | None = None
         self._closed = False
         self._barrier_seq: dict[str, int] = {}
-        #: Streaming calls in flight (cancelled by cancel_inflight on a failure).
-        self._inflight: set[Any] = set()
         self._joined = False
         self._left = False
 
@@ -153,20 +151,6 @@ class CoordinatorClient:
             self._channel = make_channel(self.target, self.tls)
             self._stub_ = pb_grpc.CoordinatorStub(self._channel)
         return self._stub_
-
-    def open_data_channel(self, timeout_s: float | None = None) -> None:
-        """Opens the channel that carries this client's unary calls and host-backend transfers
-        (Put, Take) and waits, bounded, until it is connected, as a first contact does. Why: join
-        travels on the Session stream, so without this the first transfer would dial; on a slow
-        or lossy network its connection attempt can fail where a wait succeeds."""
-        bound = self.timeout_s if timeout_s is None else timeout_s
-        self._stub  # noqa: B018 - opens the channel
-        assert self._channel is not None
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=bound)
-        except grpc.FutureTimeoutError as exc:
-            raise CoordinatorUnavailable(f"rank {self.rank}: no connection to the coordinator at {self.target} within "
-                                         f"{bound:.1f} s") from exc
 
     def _call(self, method: Callable[..., _T], request: Any, what: str, timeout_s: float, *, wait_for_ready: bool = False) -> _T:
         if self._closed:
@@ -325,72 +309,6 @@ class CoordinatorClient:
 
         self._long_poll(what, timeout_s, attempt,
                         lambda missing: f"barrier {name!r}: waiting for {len(missing)} of {self.world_size} ranks: {missing[:16]}")
-
-    def put(self, key: str, data: bytes | memoryview, readers: int = 1, timeout_s: float | None = None) -> None:
-        """Sends one message (any size; streamed in chunks) for ``readers`` takers (host backend)."""
-        view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
-        total = len(view)
-
-        def chunks() -> Iterator[pb.Chunk]:
-            yield pb.Chunk(caller=self.caller, key=key, total_bytes=total, readers=readers,
-                           data=bytes(view[:CHUNK_BYTES]))
-            for offset in range(CHUNK_BYTES, total, CHUNK_BYTES):
-                yield pb.Chunk(data=bytes(view[offset : offset + CHUNK_BYTES]))
-
-        call_s = self.timeout_s if timeout_s is None else timeout_s
-        what = f"rank {self.rank}: send {key!r}"
-        if self._closed:
-            raise CommAborted(f"{what}: this client was closed.")
-        call = self._stub.Put.future(chunks(), timeout=call_s, metadata=self._metadata)
-        self._inflight.add(call)
-        try:
-            call.result()
-        except grpc.RpcError as exc:
-            raise translate(exc, what, self.target) from exc
-        except grpc.FutureCancelledError as exc:
-            raise CommAborted(f"{what}: cancelled, since the job failed.") from exc
-        finally:
-            self._inflight.discard(call)
-
-    def take(self, key: str, out: memoryview | None = None, timeout_s: float | None = None) -> bytes | int:
-        """Receives one message. With ``out`` (a writable byte view of the right size) the data is
-        written there and the byte count returned; otherwise the bytes are returned."""
-        total = self.timeout_s if timeout_s is None else timeout_s
-        what = f"rank {self.rank}: receive {key!r}"
-        request = pb.TakeRequest(caller=self.caller, key=key, wait_s=total)
-        if self._closed:
-            raise CommAborted(f"{what}: this client was closed.")
-        parts: list[bytes] = []
-        received = 0
-        call = self._stub.Take(request, timeout=total + _CALL_SLACK_S, metadata=self._metadata)
-        self._inflight.add(call)
-        try:
-            for chunk in call:
-                size = len(chunk.data)
-                if out is not None:
-                    if received + size > len(out):
-                        raise ConfigError(f"{what}: the message is larger than the {len(out)}-byte receive buffer.")
-                    out[received : received + size] = chunk.data
-                else:
-                    parts.append(chunk.data)
-                received += size
-        except grpc.RpcError as exc:
-            raise translate(exc, what, self.target) from exc
-        finally:
-            self._inflight.discard(call)
-        if out is not None:
-            if received != len(out):
-                raise ConfigError(f"{what}: received {received} bytes into a {len(out)}-byte buffer; the sender's "
-                                  "array has a different size.")
-            return received
-        return b"".join(parts)
-
-    def cancel_inflight(self) -> None:
-        """Cancels this client's data transfers in flight (from another thread), so a rank that
-        learns of a failure is not left waiting on a transfer to a peer or coordinator that is
-        gone. The waiting thread then gets CANCELLED (CommAborted), which callers translate."""
-        for call in list(self._inflight):
-            call.cancel()
 
     def heartbeat(self) -> list[pb.Failure]:
         """Tells the coordinator this rank is alive; returns the failures it knows of."""

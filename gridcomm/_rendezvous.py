@@ -99,8 +99,6 @@ class Limits:
     max_total_value_bytes: int = 1024 * 1024 * 1024
     max_barrier_names: int = 1_000_000
     max_name_bytes: int = 1024
-    #: Bytes of host-backend messages held (and being received) at once; a Put waits for room.
-    max_mailbox_bytes: int = 1024 * 1024 * 1024
     max_hostname_bytes: int = 256
     #: A pre-rendezvous member with no call in flight for this long may be replaced by a new
     #: incarnation (its process died while joining); a live one re-polls well within it.
@@ -132,7 +130,6 @@ class JobState:
         self._pieces: dict[tuple[int, str], _Pieces] = {}
         self._pieces_bytes = 0
         self.barriers: dict[str, _Barrier] = {}
-        self.mailbox = Mailbox(self.limits.max_mailbox_bytes)
         self.left_count = 0
         self.completed_at: float | None = None
         #: Every rank, as one shared tuple: an arrival at a whole-job barrier compares it by
@@ -516,58 +513,3 @@ class JobState:
                 any(m.last_heartbeat is not None for m in self.members.values()):
             out.extend(m.rank for m in joined if m.last_heartbeat is None and m.active_calls == 0)
         return sorted(out)
-
-class Mailbox:
-    """Host-backend messages held by the coordinator, with a bound on the bytes held.
-
-    A sender reserves room for a whole message before its chunks arrive (so a stream never
-    overruns the bound), publishes it when complete, and each of its ``readers`` takes it once.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.used = 0
-        self.messages: dict[str, tuple[bytes, int]] = {}
-
-    @staticmethod
-    def check_key(key: str) -> None:
-        if not key or len(key) > 1024:
-            raise StateError(INVALID_ARGUMENT, f"message key {quote(key)} must be 1 to 1024 characters.")
-
-    def check(self, key: str, total: int, readers: int) -> None:
-        self.check_key(key)
-        if readers < 1:
-            raise StateError(INVALID_ARGUMENT, f"message {quote(key)} must have at least one reader, not {readers}.")
-        if total > self.max_bytes:
-            raise StateError(
-                RESOURCE_EXHAUSTED,
-                f"message {quote(key)} is {total} bytes; the coordinator holds at most {self.max_bytes} bytes of messages; "
-                "send it in smaller pieces.",
-            )
-        if key in self.messages:
-            raise StateError(ALREADY_EXISTS, f"message {quote(key)} was already sent and not yet taken.")
-
-    def has_room(self, total: int) -> bool:
-        return self.used + total <= self.max_bytes
-
-    def reserve(self, total: int) -> None:
-        self.used += total
-
-    def release(self, total: int) -> None:
-        self.used -= total
-
-    def publish(self, key: str, data: bytes, readers: int) -> None:
-        self.messages[key] = (data, readers)
-
-    def take(self, key: str) -> bytes | None:
-        """Returns the message for one reader; the last reader frees its room."""
-        entry = self.messages.get(key)
-        if entry is None:
-            return None
-        data, readers = entry
-        if readers <= 1:
-            del self.messages[key]
-            self.used -= len(data)
-        else:
-            self.messages[key] = (data, readers - 1)
-        return data

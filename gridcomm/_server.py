@@ -123,25 +123,6 @@ def _handlers(servicer: Servicer) -> dict[str, Any]:
     gRPC reads and parses a unary request whole before its handler runs, so without a token 12
     concurrent 79 MiB Sets took a coordinator to +2.3 GB before each was refused."""
 
-    async def put(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _admit(servicer, context, "Put")
-        try:
-            return await servicer.put(context)
-        except Exception as exc:  # noqa: BLE001 - the coordinator must survive any request
-            await _refuse(context, "Put", exc)
-
-    async def take(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _admit(servicer, context, "Take")
-        try:
-            data = await servicer.take(await _read_request(context, "Take"), context)
-        except Exception as exc:  # noqa: BLE001 - the coordinator must survive any request
-            await _refuse(context, "Take", exc)
-        view = memoryview(data)
-        if not data:
-            yield pb.Chunk(total_bytes=0)
-        for offset in range(0, len(data), CHUNK_BYTES):
-            yield pb.Chunk(total_bytes=len(data), data=bytes(view[offset : offset + CHUNK_BYTES]))
-
     async def session(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         """Operations on one stream; each answers as its unary RPC would (see the proto)."""
         await _admit(servicer, context, "Session")
@@ -156,8 +137,6 @@ def _handlers(servicer: Servicer) -> dict[str, Any]:
         "ReportFailure": _unary(servicer, "ReportFailure", Servicer.report_failure),
         "Leave": _unary(servicer, "Leave", Servicer.leave),
         "Status": _unary(servicer, "Status", Servicer.status),
-        "Put": put,
-        "Take": take,
         "Session": session,
     }
 
@@ -210,8 +189,6 @@ class Coordinator:
         self._token = _config.validate_token("token", token) if token is not None else None
         self.job_id = _config.job_id(job_id)
         self.heartbeat_timeout_s = _config.heartbeat_timeout_s(heartbeat_timeout_s)
-        #: Bound on waits the server makes on its own behalf (room in the mailbox).
-        self.timeout_s = _config.timeout_s()
         #: At interpreter exit without stop(), how long to keep serving for ranks still joined.
         self.exit_grace_s = min(30.0, 2 * self.heartbeat_timeout_s)
         #: No single long-poll is held longer than this, whatever wait_s a request asks for.

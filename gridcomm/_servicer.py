@@ -143,7 +143,6 @@ class Owner(Protocol):
     state: JobState
     _token: str | None
     heartbeat_timeout_s: float
-    timeout_s: float
     max_wait_s: float
     connection_grace_s: float
     _closing: bool
@@ -446,64 +445,3 @@ class Servicer:
             uptime_s=now - state.started_at,
             serving=self._owner.serving,
         )
-
-    # ------------------------------------------------------------------ host-backend transfers
-    async def put(self, context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        """Receives one message in chunks; waits (bounded) for room in the mailbox first."""
-        reserved = 0
-        mailbox = self._state.mailbox
-        try:
-            first = await context.read()
-            if first is grpc.aio.EOF:
-                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "Put carried no chunk.")
-            if first is UNDECODABLE:
-                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "the first chunk of a Put is not a valid gridcomm.v1.Chunk.")
-            self._caller(first.caller, "put")
-            key, total, readers = first.key, first.total_bytes, first.readers
-            mailbox.check(key, total, readers)
-            ok = await self._wait(("mailbox-room",), lambda: mailbox.has_room(total), self._owner.timeout_s,
-                                  self.deadline_of(context), f"put of {quote(key)}")
-            if not ok:
-                raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"no room for message {quote(key)} ({total} bytes): the mailbox holds {mailbox.used} of "
-                            f"{mailbox.max_bytes} bytes and nobody took them.")
-            mailbox.reserve(total)
-            reserved = total
-            parts = [first.data]
-            received = len(first.data)
-            # Read to the end of the stream: a surplus after the announced size is refused, not dropped.
-            while received <= total:
-                chunk = await context.read()
-                if chunk is grpc.aio.EOF:
-                    break
-                if chunk is UNDECODABLE:
-                    raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"a chunk of message {quote(key)} is not a valid "
-                                "gridcomm.v1.Chunk.")
-                received += len(chunk.data)
-                parts.append(chunk.data)
-            if received != total:
-                raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"message {quote(key)} announced {total} bytes but carried {received}.")
-            mailbox.publish(key, b"".join(parts), readers)
-            reserved = 0
-            self._wake(("mailbox", key))
-            return pb.PutResponse()
-        finally:
-            if reserved:
-                mailbox.release(reserved)
-                self._wake(("mailbox-room",))
-
-    async def take(self, request: pb.TakeRequest, context: grpc.aio.ServicerContext) -> bytes:
-        """Waits for a message; returns its bytes (the caller streams them back in chunks)."""
-        mailbox = self._state.mailbox
-        member = self._caller(request.caller, "take")
-        key = request.key
-        mailbox.check_key(key)
-        if not await self._wait(("mailbox", key), lambda: key in mailbox.messages, request.wait_s,
-                                self.deadline_of(context), f"take of {quote(key)}", member=member):
-            raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"message {quote(key)} did not arrive within {request.wait_s:.1f} s")
-        data = mailbox.take(key)
-        assert data is not None
-        if key not in mailbox.messages:
-            self._wake(("mailbox-room",))
-        return data

@@ -23,7 +23,7 @@ SERVICE_NAME = "gridcomm.v1.Coordinator"
 MISSING_KEY = "gridcomm-missing-ranks"
 FAILED_KEY = "gridcomm-failed-rank"
 
-#: Host-backend messages, and a key's value larger than this, travel in pieces of this size.
+#: A key's value larger than this travels in pieces of this size.
 CHUNK_BYTES = 1024 * 1024
 #: Largest request message the coordinator reads: a chunk plus framing. Why not more: health
 #: requests need no token and are read whole, so this bounds what each of them can make it hold.

@@ -4,7 +4,7 @@ Everything runs against a real ``gridcomm.Coordinator`` on loopback, through rea
 
 1. Well-typed but hostile requests (hypothesis) for every RPC of ``gridcomm.v1.Coordinator``:
    random job ids, ranks, world sizes, incarnations, generations, names, keys, bytes, waits and
-   barrier participants. A small model of the job (who joined, keys, barriers, mailbox, failures)
+   barrier participants. A small model of the job (who joined, keys, barriers, failures)
    says which answers are right, so a wrong acceptance or a wrong value fails a test, not only a
    crash. Every answer must be OK or a status with a readable message; never UNKNOWN or INTERNAL
    (the server hit an exception it did not expect), never the transport's own deadline (a hang).
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -129,7 +128,7 @@ def test_fuzz_every_request_against_a_joined_job(joined_job):
         # One request from anybody, one from a member (so the paths past the identity checks get
         # their share), each maybe followed up.
         for member_only in (False, True):
-            rpc, request = data.draw(steps(job, mailbox_cap=64 * 1024, member_only=member_only))
+            rpc, request = data.draw(steps(job, member_only=member_only))
             if job.destructive(rpc, request):
                 if rpc == "Join":
                     request.incarnation = job.incarnations[request.rank]  # a re-poll, not a restart
@@ -149,11 +148,11 @@ def test_fuzz_every_request_against_a_joined_job(joined_job):
     # for (a barrier: a member's arrival, then the others') was missed in about 1 run of 40 (438
     # cases): such an RPC gets more fuzzed requests of its own kind, from members and followed
     # up, until one is accepted (at most 400), and only then is the coverage judged.
-    must_accept = ("Join", "Set", "Get", "Barrier", "Put", "Status")
+    must_accept = ("Join", "Set", "Get", "Barrier", "Status")
     @settings(fuzz_settings("shared"), max_examples=400)
     @given(data=st.data())
     def more(data: Any) -> None:
-        kind, request = data.draw(steps(job, mailbox_cap=64 * 1024, member_only=True, only=missing))
+        kind, request = data.draw(steps(job, member_only=True, only=missing))
         if "OK" in driver.codes(missing) or job.destructive(kind, request):
             return
         driver.follow_up(kind, request, driver.run(kind, request))
@@ -221,7 +220,7 @@ def test_absurd_wait_s_is_bounded_by_the_call_deadline():
     never later, never an error of another kind."""
 
     @fuzz_settings("absurd_wait")
-    @given(rpc=st.sampled_from(["Join", "Get", "Barrier", "Take", "Heartbeat"]), wait_s=ABSURD_WAITS,
+    @given(rpc=st.sampled_from(["Join", "Get", "Barrier", "Heartbeat"]), wait_s=ABSURD_WAITS,
            deadline_s=st.floats(0.02, 0.5))
     def case(rpc: str, wait_s: float, deadline_s: float) -> None:
         ran("absurd_wait")
@@ -258,8 +257,6 @@ def lonely_wait(driver: Driver, rpc: str, wait_s: float) -> Any:
         return pb.GetRequest(caller=caller, key="never-set", wait_s=wait_s)
     if rpc == "Barrier":
         return pb.BarrierRequest(caller=caller, name="rank-1-never-comes", seq=1, wait_s=wait_s)
-    if rpc == "Take":
-        return pb.TakeRequest(caller=caller, key="never-sent", wait_s=wait_s)
     request = pb.HeartbeatRequest(caller=caller)
     if HEARTBEAT_HAS_WAIT:
         request.wait_s = wait_s
@@ -268,7 +265,7 @@ def lonely_wait(driver: Driver, rpc: str, wait_s: float) -> Any:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("wait_s", [math.nan, -math.inf, -1.0, -0.0, 0.0, 5e-324, math.inf, 1e300])
-@pytest.mark.parametrize("rpc", ["Join", "Get", "Barrier", "Take"])
+@pytest.mark.parametrize("rpc", ["Join", "Get", "Barrier"])
 def test_wait_s_without_a_grpc_deadline_is_bounded(rpc, wait_s):
     """No gRPC deadline at all: NaN or a wait <= 0 is answered at once; inf or 1e300 ends at the
     server's own bound on one long-poll (max_wait_s, lowered here so the test is short), or is
@@ -290,25 +287,6 @@ def _no_deadline_call(driver: Driver, rpc: str, request: Any, limit_s: float) ->
     """Sends without a gRPC deadline; returns None if no answer came within limit_s (the call is
     then cancelled)."""
     started = time.monotonic()
-    if rpc == "Take":
-        call = driver.stub.Take(request)
-        result: list[Outcome] = []
-
-        def consume() -> None:
-            try:
-                chunks = list(call)
-                result.append(Outcome(OK, "", {}, chunks, time.monotonic() - started))
-            except grpc.RpcError as exc:
-                result.append(_outcome_of(exc, started))
-
-        reader = threading.Thread(target=consume, daemon=True)
-        reader.start()
-        reader.join(limit_s)
-        if not result:
-            call.cancel()
-            reader.join(5.0)
-            return None
-        return result[0]
     future = getattr(driver.stub, rpc).future(request)
     try:
         response = future.result(timeout=limit_s)

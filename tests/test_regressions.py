@@ -28,8 +28,6 @@ from tests.support.calls import (
     Outcome,
     assert_proper,
     assert_serving,
-    call_put,
-    call_take,
     call_unary,
     coordinator,
     decodes,
@@ -89,21 +87,6 @@ def test_huge_job_id_gets_a_readable_refusal():
             outcome = call_unary(getattr(stub, rpc), request)
             assert_proper(outcome, rpc)
             assert outcome.code is INVALID, (rpc, outcome.code, outcome.details[:200])
-        for outcome in (call_put(stub, [pb.Chunk(caller=caller, key="m", total_bytes=1, readers=1, data=b"x")]),
-                        call_take(stub, pb.TakeRequest(caller=caller, key="m"))):
-            assert_proper(outcome, "Put/Take")
-            assert outcome.code is INVALID, (outcome.code, outcome.details[:200])
-
-
-@pytest.mark.timeout(60)
-def test_huge_take_key_gets_a_readable_answer():
-    # Reproducer: after both ranks joined, Take(caller=<rank 0>, key="k" * 100_000, wait_s=0.1) ->
-    #   RESOURCE_EXHAUSTED "Stream removed (received metadata size exceeds hard limit ...)".
-    with joined(2) as (channel, job):
-        stub = pb_grpc.CoordinatorStub(channel)
-        outcome = call_take(stub, pb.TakeRequest(caller=job.valid_callers()[0], key="k" * 100_000, wait_s=0.1))
-        assert_proper(outcome, "Take with a 100 KB key")
-        assert outcome.code in (INVALID, DEADLINE), outcome
 
 
 @pytest.mark.timeout(60)
@@ -149,22 +132,8 @@ def test_a_name_opened_for_some_ranks_refuses_an_arrival_for_every_rank():
 
 
 @pytest.mark.timeout(60)
-def test_put_with_surplus_chunk_is_refused():
-    # Reproducer: Put([Chunk(caller=<rank 0>, key="m", total_bytes=3, readers=1, data=b"abc"),
-    #                  Chunk(data=b"defgh")]) -> OK; Take("m") -> b"abc".
-    with joined(2) as (channel, job):
-        stub = pb_grpc.CoordinatorStub(channel)
-        caller = job.valid_callers()[0]
-        out = call_put(stub, [pb.Chunk(caller=caller, key="m", total_bytes=3, readers=1, data=b"abc"),
-                              pb.Chunk(data=b"defgh")])
-        assert_proper(out, "Put with a surplus chunk")
-        assert out.code is INVALID, (out.code, out.details)
-
-
-@pytest.mark.timeout(60)
 def test_undecodable_body_is_invalid_argument(fresh_server):
-    # Reproducer: channel.unary_unary("/gridcomm.v1.Coordinator/Join")(b"\xff") -> UNKNOWN;
-    #             channel.stream_unary("/gridcomm.v1.Coordinator/Put")(iter([b"\xff"])) -> INTERNAL.
+    # Reproducer: channel.unary_unary("/gridcomm.v1.Coordinator/Join")(b"\xff") -> UNKNOWN.
     _, channel = fresh_server
     for method in sorted(METHODS):
         undecodable = [body for body in UNDECODABLE if not decodes(method, body)]

@@ -221,34 +221,6 @@ class StatusResponse(_message.Message):
     serving: bool
     def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., barriers: _Optional[_Iterable[_Union[BarrierStatus, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., serving: bool = ...) -> None: ...
 
-class Chunk(_message.Message):
-    __slots__ = ("caller", "key", "total_bytes", "readers", "data")
-    CALLER_FIELD_NUMBER: _ClassVar[int]
-    KEY_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    READERS_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    caller: Caller
-    key: str
-    total_bytes: int
-    readers: int
-    data: bytes
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., total_bytes: _Optional[int] = ..., readers: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
-
-class PutResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class TakeRequest(_message.Message):
-    __slots__ = ("caller", "key", "wait_s")
-    CALLER_FIELD_NUMBER: _ClassVar[int]
-    KEY_FIELD_NUMBER: _ClassVar[int]
-    WAIT_S_FIELD_NUMBER: _ClassVar[int]
-    caller: Caller
-    key: str
-    wait_s: float
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
-
 class SessionOp(_message.Message):
     __slots__ = ("id", "join", "set", "get", "barrier", "leave")
     ID_FIELD_NUMBER: _ClassVar[int]

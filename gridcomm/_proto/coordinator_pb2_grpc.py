@@ -54,16 +54,6 @@ class CoordinatorStub(object):
                 request_serializer=gridcomm_dot___proto_dot_coordinator__pb2.StatusRequest.SerializeToString,
                 response_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.StatusResponse.FromString,
                 )
-        self.Put = channel.stream_unary(
-                '/gridcomm.v1.Coordinator/Put',
-                request_serializer=gridcomm_dot___proto_dot_coordinator__pb2.Chunk.SerializeToString,
-                response_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.PutResponse.FromString,
-                )
-        self.Take = channel.unary_stream(
-                '/gridcomm.v1.Coordinator/Take',
-                request_serializer=gridcomm_dot___proto_dot_coordinator__pb2.TakeRequest.SerializeToString,
-                response_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.Chunk.FromString,
-                )
         self.Session = channel.stream_stream(
                 '/gridcomm.v1.Coordinator/Session',
                 request_serializer=gridcomm_dot___proto_dot_coordinator__pb2.SessionRequest.SerializeToString,
@@ -131,21 +121,9 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Put(self, request_iterator, context):
-        """Host-backend data plane: a mailbox of messages keyed by name, bounded in memory.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Take(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Session(self, request_iterator, context):
-        """One long-lived stream per client that carries the calls above
+        """(Put and Take, the host backend's mailbox, were removed: ranks move data directly.)
+        One long-lived stream per client that carries the calls above
         which wait (Join, Get, Barrier) and the small ones (Set, Leave), batched: each request
         message holds the operations gathered since the last one, each reply the results that
         completed. An operation answers exactly as its unary RPC would (same checks, same status
@@ -198,16 +176,6 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.StatusRequest.FromString,
                     response_serializer=gridcomm_dot___proto_dot_coordinator__pb2.StatusResponse.SerializeToString,
-            ),
-            'Put': grpc.stream_unary_rpc_method_handler(
-                    servicer.Put,
-                    request_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.Chunk.FromString,
-                    response_serializer=gridcomm_dot___proto_dot_coordinator__pb2.PutResponse.SerializeToString,
-            ),
-            'Take': grpc.unary_stream_rpc_method_handler(
-                    servicer.Take,
-                    request_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.TakeRequest.FromString,
-                    response_serializer=gridcomm_dot___proto_dot_coordinator__pb2.Chunk.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
@@ -357,40 +325,6 @@ class Coordinator(object):
         return grpc.experimental.unary_unary(request, target, '/gridcomm.v1.Coordinator/Status',
             gridcomm_dot___proto_dot_coordinator__pb2.StatusRequest.SerializeToString,
             gridcomm_dot___proto_dot_coordinator__pb2.StatusResponse.FromString,
-            options, channel_credentials,
-            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
-
-    @staticmethod
-    def Put(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(request_iterator, target, '/gridcomm.v1.Coordinator/Put',
-            gridcomm_dot___proto_dot_coordinator__pb2.Chunk.SerializeToString,
-            gridcomm_dot___proto_dot_coordinator__pb2.PutResponse.FromString,
-            options, channel_credentials,
-            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
-
-    @staticmethod
-    def Take(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(request, target, '/gridcomm.v1.Coordinator/Take',
-            gridcomm_dot___proto_dot_coordinator__pb2.TakeRequest.SerializeToString,
-            gridcomm_dot___proto_dot_coordinator__pb2.Chunk.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 

@@ -36,7 +36,7 @@ RAW_TIMEOUT_S = 4.0
 #: clients at random and above 16 KiB always, and the caller then sees "Stream removed" instead
 #: of the server's reason. Leave room for the other trailers.
 MAX_DETAILS_WIRE_BYTES = 8192 - 512
-#: Longest job id / Take key the main fuzzers send (the server quotes them back shortened; see
+#: Longest job id the main fuzzers send (the server quotes them back shortened; see
 #: test_huge_job_id_* and test_huge_take_key_*).
 _FUZZ_TEXT_MAX = 20_000
 
@@ -57,7 +57,6 @@ MAX_VALUE_BYTES = 64 * 1024 * 1024
 #: The largest message the coordinator reads, and the size of a value's pieces.
 MAX_REQUEST_BYTES = (1 << 20) + 64 * 1024
 CHUNK_BYTES = 1 << 20
-MAX_MAILBOX_BYTES = 1024 * 1024 * 1024
 
 HEARTBEAT_HAS_WAIT = "wait_s" in pb.HeartbeatRequest.DESCRIPTOR.fields_by_name
 
@@ -93,25 +92,6 @@ def call_unary(method: Any, request: Any, timeout_s: float = CALL_S) -> Outcome:
     except grpc.RpcError as exc:
         return _outcome_of(exc, started)
     return Outcome(OK, "", _metadata(call.trailing_metadata()), response, time.monotonic() - started)
-
-
-def call_put(stub: Any, chunks: Sequence[pb.Chunk], timeout_s: float = CALL_S) -> Outcome:
-    started = time.monotonic()
-    try:
-        response, call = stub.Put.with_call(iter(list(chunks)), timeout=timeout_s)
-    except grpc.RpcError as exc:
-        return _outcome_of(exc, started)
-    return Outcome(OK, "", _metadata(call.trailing_metadata()), response, time.monotonic() - started)
-
-
-def call_take(stub: Any, request: pb.TakeRequest, timeout_s: float = CALL_S) -> Outcome:
-    started = time.monotonic()
-    call = stub.Take(request, timeout=timeout_s)
-    try:
-        chunks = list(call)
-    except grpc.RpcError as exc:
-        return _outcome_of(exc, started)
-    return Outcome(OK, "", _metadata(call.trailing_metadata()), chunks, time.monotonic() - started)
 
 
 def wire_size(details: str) -> int:
@@ -188,8 +168,6 @@ def render(message: Any) -> str:
 
 
 def describe(rpc: str, request: Any) -> str:
-    if rpc == "Put":
-        return f"Put[{len(request)} chunks: " + ", ".join(render(c) for c in request[:4]) + "]"
     return f"{rpc}({render(request)})"
 
 
@@ -240,12 +218,12 @@ def client_flow(port: int, world_size: int, tag: str) -> None:
 
 METHODS = {
     "Join": "unary", "Set": "unary", "Get": "unary", "Barrier": "unary", "Heartbeat": "unary",
-    "ReportFailure": "unary", "Leave": "unary", "Status": "unary", "Put": "client_stream", "Take": "server_stream",
+    "ReportFailure": "unary", "Leave": "unary", "Status": "unary",
 }
 REQUEST_TYPES = {
     "Join": pb.JoinRequest, "Set": pb.SetRequest, "Get": pb.GetRequest, "Barrier": pb.BarrierRequest,
     "Heartbeat": pb.HeartbeatRequest, "ReportFailure": pb.ReportFailureRequest, "Leave": pb.LeaveRequest,
-    "Status": pb.StatusRequest, "Put": pb.Chunk, "Take": pb.TakeRequest,
+    "Status": pb.StatusRequest,
 }
 
 
@@ -254,13 +232,7 @@ def raw_call(channel: grpc.Channel, method: str, bodies: Sequence[bytes], timeou
     path = f"/{SERVICE}/{method}"
     started = time.monotonic()
     try:
-        if METHODS[method] == "unary":
-            response, call = channel.unary_unary(path).with_call(bodies[0], timeout=timeout_s)
-        elif METHODS[method] == "client_stream":
-            response, call = channel.stream_unary(path).with_call(iter(list(bodies)), timeout=timeout_s)
-        else:
-            call = channel.unary_stream(path)(bodies[0], timeout=timeout_s)
-            response = list(call)
+        response, call = channel.unary_unary(path).with_call(bodies[0], timeout=timeout_s)
     except grpc.RpcError as exc:
         return _outcome_of(exc, started)
     return Outcome(OK, "", _metadata(call.trailing_metadata()), response, time.monotonic() - started)
@@ -299,8 +271,6 @@ def _sample_bodies() -> dict[str, bytes]:
         "ReportFailure": pb.ReportFailureRequest(caller=caller, reason="r\u00e9ason"),
         "Leave": pb.LeaveRequest(caller=caller),
         "Status": pb.StatusRequest(),
-        "Put": pb.Chunk(caller=caller, key="m", total_bytes=3, readers=1, data=b"abc"),
-        "Take": pb.TakeRequest(caller=caller, key="m", wait_s=0.0),
     }
 
 

@@ -2,11 +2,10 @@
 strategies for requests, a model of one job (who joined, keys, barriers, failures) that says
 which statuses each request may get, and the driver that sends steps and follows them up.
 
-Job ids and Take keys go up to ``_FUZZ_TEXT_MAX`` (20,000 characters). Some step-arounds written
+Job ids go up to ``_FUZZ_TEXT_MAX`` (20,000 characters). Some step-arounds written
 while bugs were open remain as narrower judging, each saying which test it defers to: long
 failure reasons stay ASCII; a barrier name a refused arrival named is judged no further
-(``Job.dead_names``); a Put with data past its announced size may be accepted; health after a
-restarted rank is not judged; :path values are UTF-8."""
+(``Job.dead_names``); health after a restarted rank is not judged; :path values are UTF-8."""
 
 
 
@@ -41,18 +40,14 @@ from tests.support.calls import (
     INVALID,
     MAX_HOSTNAME_BYTES,
     MAX_KEY_BYTES,
-    MAX_MAILBOX_BYTES,
     MAX_NAME_BYTES,
     MAX_REQUEST_BYTES,
     MAX_VALUE_BYTES,
-    METHODS,
     MISSING_KEY,
     OK,
     PRECONDITION,
     Outcome,
     assert_proper,
-    call_put,
-    call_take,
     call_unary,
     describe,
     note,
@@ -182,7 +177,6 @@ VALUES = st.one_of(
 JOB_IDS = bounded_texts(pool=["default", "default\x00", "Default", " default", "other-job"])
 KEY_POOL = ["k", "nccl-unique-id", "\x00", "\u2603 key", "a/b/c"]
 NAME_POOL = ["b", "barrier", "\x00", "\u2603", "world/c1"]
-MAILBOX_POOL = ["m", "world/c17/0>1", "\x00", "\u2603"]
 
 
 def _copy(message: Any, **changes: Any) -> Any:
@@ -220,20 +214,6 @@ class BarrierModel:
         return [r for r in self.members if self.arrived.get(r, 0) < seq]
 
 
-def _surplus_after_total(chunks: Sequence[pb.Chunk]) -> bytes | None:
-    """The announced bytes, when a strict prefix of the chunks carries exactly them and the chunks
-    after it carry more; else None."""
-    total, received = chunks[0].total_bytes, 0
-    for i, chunk in enumerate(chunks):
-        received += len(chunk.data)
-        if received >= total:
-            rest = sum(len(c.data) for c in chunks[i + 1:])
-            if received == total and rest:
-                return b"".join(c.data for c in chunks[: i + 1])
-            return None
-    return None
-
-
 class Job:
     """What a correct coordinator knows after the requests it accepted; judges each answer.
 
@@ -256,7 +236,6 @@ class Job:
         #: Names a refused arrival may have polluted on a server with the refused-open bug
         #: (test_refused_barrier_arrival_leaves_no_trace); only generic checks apply to them.
         self.dead_names: set[str] = set()
-        self.mailbox: dict[str, list[Any]] = {}
         #: Ranks failed because a restarted process joined in their name. Health and Status may
         #: miss those failures today (test_restarted_rank_turns_health_not_serving pins it).
         self.restarted: set[int] = set()
@@ -532,69 +511,6 @@ class Job:
             if model is not None and entry.name not in self.dead_names:
                 assert list(entry.missing_ranks) == model.missing(entry.seq), f"{what}: barrier {entry}"
 
-    def judge_Put(self, chunks: Sequence[pb.Chunk], out: Outcome, what: str) -> None:
-        if not chunks:
-            self.expect(out, {INVALID}, what)
-            return
-        first = chunks[0]
-        ident = self.identity_codes(first.caller)
-        key = _size_verdict(first.key, 1024)
-        data = b"".join(c.data for c in chunks)
-        total = first.total_bytes
-        definite: set[grpc.StatusCode] = set()
-        if key is False or first.readers < 1 or len(data) != total:
-            definite.add(INVALID)
-        if total > MAX_MAILBOX_BYTES:
-            definite.add(EXHAUSTED)
-        maybe = {INVALID} if key is None else set()
-        if ident:
-            self.expect(out, ident | definite | maybe, what)
-            return
-        self.seen(first.caller)
-        failed = {ABORTED} if self.failed else set()
-        exists = {EXISTS} if first.key in self.mailbox else set()
-        early = _surplus_after_total(chunks)
-        if early is not None and not exists and key is not False and first.readers >= 1 \
-                and total <= MAX_MAILBOX_BYTES:
-            # Data after the announced total in a later chunk: must be refused, but is accepted
-            # (truncated) today; test_put_with_surplus_chunk_is_refused pins it, so here both
-            # answers pass and the model holds what the server kept.
-            self.expect(out, {INVALID, OK} | maybe | failed, what)
-            if out.code is OK:
-                self.mailbox[first.key] = [early, first.readers]
-            return
-        if definite or exists:
-            self.expect(out, definite | maybe | failed | exists, what)
-            self.check_aborted(out, what)
-            return
-        # After a failure a Put that need not wait for room may still be taken in.
-        self.expect(out, maybe | failed | {OK}, what)
-        self.check_aborted(out, what)
-        if out.code is OK:
-            self.mailbox[first.key] = [data, first.readers]
-
-    def judge_Take(self, req: pb.TakeRequest, out: Outcome, what: str) -> None:
-        ident = self.identity_codes(req.caller)
-        # The server may refuse a key no Put could have used.
-        static = set() if _size_verdict(req.key, 1024) else {INVALID}
-        if ident:
-            self.expect(out, ident | static, what)
-            return
-        self.seen(req.caller)
-        entry = self.mailbox.get(req.key)
-        if self.failed:
-            # After a failure only waiting is refused; a message that is there may still be handed out.
-            self.expect(out, static | {ABORTED} | ({OK} if entry is not None else set()), what)
-            self.check_aborted(out, what)
-        else:
-            self.expect(out, static | ({OK} if entry is not None else {DEADLINE}), what)
-        if out.code is OK:
-            data = b"".join(c.data for c in out.response)
-            assert data == entry[0], f"{what}: WRONG DATA: {len(data)} bytes, sent {len(entry[0])}"
-            entry[1] -= 1
-            if entry[1] <= 0:
-                del self.mailbox[req.key]
-
     # ---------------------------------------------------------------- what the shared job must not see
     def destructive(self, rpc: str, request: Any) -> bool:
         """Requests that end a job by design (a failure, a departure, a restarted rank, or liveness
@@ -644,7 +560,7 @@ def _caller(draw: Any, job: Job, member_only: bool = False) -> pb.Caller:
     return pb.Caller()
 
 
-RPCS = ["Join", "Set", "Get", "Barrier", "Heartbeat", "ReportFailure", "Leave", "Status", "Put", "Take"]
+RPCS = ["Join", "Set", "Get", "Barrier", "Heartbeat", "ReportFailure", "Leave", "Status"]
 HUGE_KEYS = texts(huge=True, pool=KEY_POOL)
 HUGE_NAMES = texts(huge=True, pool=NAME_POOL)
 BARRIER_SEQS = st.sampled_from(["next"] * 5 + ["same", "skip", "any"]).flatmap(
@@ -665,10 +581,8 @@ def participants_lists(world_size: int) -> st.SearchStrategy[Any]:
 
 
 @st.composite
-def steps(draw: Any, job: Job, *, mailbox_cap: int | None = None, member_only: bool = False,
-          only: str | None = None) -> tuple[str, Any]:
-    """One request of any RPC (or of ``only``), with the job's members, keys, barriers and
-    messages in reach."""
+def steps(draw: Any, job: Job, *, member_only: bool = False, only: str | None = None) -> tuple[str, Any]:
+    """One request of any RPC (or of ``only``), with the job's members, keys and barriers in reach."""
     # Why: the same choices make a different case once the job's state has moved on, but
     # hypothesis avoids replaying choices it has seen, which would starve the simple, valid
     # requests (seq "next", a member's caller) in favour of random ones. A drawn salt that
@@ -727,45 +641,9 @@ def steps(draw: Any, job: Job, *, mailbox_cap: int | None = None, member_only: b
         request = pb.ReportFailureRequest(caller=caller, reason=reason)
     elif rpc == "Leave":
         request = pb.LeaveRequest(caller=_caller(draw, job, member_only))
-    elif rpc == "Status":
-        request = pb.StatusRequest()
-    elif rpc == "Put":
-        request = draw(put_streams(job, mailbox_cap, member_only))
     else:
-        request = pb.TakeRequest(caller=_caller(draw, job, member_only),
-                                 key=_pick(draw, sorted(job.mailbox), bounded_texts(pool=MAILBOX_POOL)),
-                                 wait_s=draw(WAITS))
+        request = pb.StatusRequest()
     return rpc, request
-
-
-@st.composite
-def put_streams(draw: Any, job: Job, cap: int | None, member_only: bool) -> list[pb.Chunk]:
-    if draw(st.integers(0, 15)) == 0:
-        return []
-    caller = _caller(draw, job, member_only)
-    key = _pick(draw, sorted(job.mailbox), bounded_texts(pool=MAILBOX_POOL))
-    data = draw(VALUES)
-    readers = draw(st.sampled_from(["one"] * 3 + ["few", "zero", "any"]).flatmap(
-        lambda how: {"one": st.just(1), "few": st.integers(1, 3), "zero": st.just(0), "any": UINT32}[how]))
-    if readers > 3 or (cap is not None and len(data) > cap):
-        data = data[:4096]
-    cuts = sorted(draw(st.lists(st.integers(0, len(data)), max_size=4)))
-    pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
-    total = draw(st.sampled_from(["right"] * 5 + ["more", "less", "any"]).flatmap(lambda how: {
-        "right": st.just(len(data)), "more": st.just(len(data) + 1), "less": st.just(max(0, len(data) - 1)),
-        "any": UINT64}[how]))
-    first = pb.Chunk(caller=caller, key=key, total_bytes=total, readers=readers, data=pieces[0])
-    rest = [pb.Chunk(data=p) for p in pieces[1:]]
-    if rest and draw(st.booleans()):
-        # Later chunks carry junk in the fields only the first one may set; the server ignores them.
-        rest[0].key = draw(bounded_texts())
-        rest[0].total_bytes = draw(UINT64)
-        rest[0].readers = draw(UINT32)
-        rest[0].caller.CopyFrom(_caller(draw, job, member_only))
-    if draw(st.integers(0, 9)) == 0:
-        # A surplus chunk after the announced bytes: must be refused (see judge_Put).
-        rest.append(pb.Chunk(data=draw(st.binary(min_size=1, max_size=16))))
-    return [first, *rest]
 
 
 class Driver:
@@ -779,10 +657,6 @@ class Driver:
         self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
 
     def send(self, rpc: str, request: Any, timeout_s: float = CALL_S) -> Outcome:
-        if rpc == "Put":
-            return call_put(self.stub, request, timeout_s)
-        if rpc == "Take":
-            return call_take(self.stub, request, timeout_s)
         return call_unary(getattr(self.stub, rpc), request, timeout_s)
 
     def run(self, rpc: str, request: Any) -> Outcome:
@@ -791,12 +665,9 @@ class Driver:
         outcome = self.send(rpc, request)
         note(f"  -> {outcome.code.name} {outcome.details[:200]!r} {outcome.trailing}")
         assert_proper(outcome, what)
-        if METHODS.get(rpc) == "unary" and request.ByteSize() > MAX_REQUEST_BYTES:
+        if request.ByteSize() > MAX_REQUEST_BYTES:
             # The transport refuses a message past its limit before any handler sees it.
             assert outcome.code is EXHAUSTED, f"{what}: {outcome.code} for a {request.ByteSize()}-byte message"
-        elif rpc == "Put" and any(chunk.ByteSize() > MAX_REQUEST_BYTES for chunk in request):
-            # Refused at that chunk (or earlier, for what the chunks before it said): never stored.
-            assert outcome.code is not OK, f"{what}: a chunk past the message limit was accepted"
         else:
             getattr(self.job, f"judge_{rpc}")(request, outcome, what)
         self.counts[rpc, outcome.code.name] += 1
@@ -808,8 +679,8 @@ class Driver:
 
     def follow_up(self, rpc: str, request: Any, outcome: Outcome) -> None:
         """Completes what a step began, so that accepted paths are fuzzed too, not only refusals:
-        the missing members arrive at a barrier somebody waited at, a message that was put is
-        taken, a key that was set is read back by a member."""
+        the missing members arrive at a barrier somebody waited at, a key that was set is read
+        back by a member."""
         job = self.job
         callers = {c.rank: c for c in job.valid_callers()}
         if not callers:
@@ -823,8 +694,6 @@ class Driver:
                     for seq in range(model.arrived.get(rank, 0) + 1, request.seq + 1):
                         self.run("Barrier", pb.BarrierRequest(caller=callers[rank], name=request.name, seq=seq,
                                                               wait_s=0.0, participants=list(model.members)))
-        elif rpc == "Put" and outcome.code is OK:
-            self.run("Take", pb.TakeRequest(caller=callers[max(callers)], key=request[0].key, wait_s=0.0))
         elif rpc == "Set" and outcome.code is OK:
             self.run("Get", pb.GetRequest(caller=callers[max(callers)], key=request.key, wait_s=0.0))
 
