@@ -19,8 +19,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gridcomm import _config, _session
+from gridcomm import _config, _progress, _session
 from gridcomm._channel import make_channel
 from gridcomm._errors import (
     AuthenticationError,
@@ -102,6 +103,7 @@ def translate(error: grpc.RpcError, what: str, target: str) -> GridcommError:
     if failed is not None:
         rank = int(failed) if failed.lstrip("-").isdigit() else -1
         return RankFailedError(f"{what}: {details}", rank=rank, reason=details)
+    details = _progress.without_repeat(what, details)  # issue 18: no "barrier 'x': barrier 'x': ..."
     cls = _STATUS_ERRORS.get(code, GridcommError)
     if cls is RendezvousTimeout:
         missing_text = _metadata_value(error, MISSING_KEY)
@@ -184,6 +186,7 @@ class CoordinatorClient:
         self._inflight: set[Any] = set()
         self._joined = False
         self._left = False
+        self._data_ready = False
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -226,11 +229,20 @@ class CoordinatorClient:
         bound = self.timeout_s if timeout_s is None else timeout_s
         self._stub  # noqa: B018 - opens the channel
         assert self._channel is not None
+        if self._data_ready:
+            return
+        # Why a health Check and not grpc.channel_ready_future: the future's connectivity-polling
+        # thread raises "Cannot invoke RPC: Channel closed!" (a traceback on stderr) when the
+        # channel is closed within its 0.2 s poll, as a short script's stop() does (issue 18).
+        # Any answer, whatever its status, means the connection is up.
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=bound)
-        except grpc.FutureTimeoutError as exc:
-            raise CoordinatorUnavailable(f"rank {self.rank}: no connection to the coordinator at {self.target} within "
-                                         f"{bound:.1f} s") from exc
+            health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(), timeout=bound,
+                                                            wait_for_ready=True)
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):  # type: ignore[attr-defined]
+                raise CoordinatorUnavailable(f"rank {self.rank}: no connection to the coordinator at {self.target} "
+                                             f"within {bound:.1f} s") from exc
+        self._data_ready = True
 
     def _call(self, method: Callable[..., _T], request: Any, what: str, timeout_s: float, *, wait_for_ready: bool = False) -> _T:
         if self._closed:
@@ -307,6 +319,7 @@ class CoordinatorClient:
         started = time.monotonic() if failed is None else failed.started  # type: ignore[attr-defined]
         deadline = started + total
         answered = False
+        speaker = _progress.Wait(what, self.target, total, started, progress)  # hook (issue 18): waits that speak
         while True:
             if failed is None:
                 wait_s = max(0.0, min(deadline - time.monotonic(), PROGRESS_INTERVAL_S))
@@ -317,18 +330,14 @@ class CoordinatorClient:
             timeout, failed = failed, None
             answered = answered or bool(getattr(timeout, "from_server", False))
             if deadline - time.monotonic() > 0.05:
-                if timeout.missing_ranks:
-                    log.info("rank %d: %s after %.0f s", self.rank, progress(timeout.missing_ranks), time.monotonic() - started)
+                speaker.slice_ended(timeout, answered)
                 continue
             if first_contact and not answered:
                 raise CoordinatorUnavailable(
                     f"{what}: no answer from the coordinator at {self.target} within {total:.1f} s; is rank 0 "
                     "(or `gridcomm serve`) running there, and does the name resolve?"
                 ) from timeout
-            details = getattr(timeout, "details", str(timeout))
-            hint = f"; is the process for rank {timeout.missing_ranks[0]} running?" if timeout.missing_ranks else ""
-            raise RendezvousTimeout(f"{what} did not complete within {total:.1f} s: {details}{hint}",
-                                    timeout.missing_ranks) from timeout
+            raise _progress.timed_out(what, total, timeout) from timeout
 
     # ------------------------------------------------------------------ API
     def join(self, timeout_s: float | None = None) -> int:
@@ -425,7 +434,7 @@ class CoordinatorClient:
                             hold=_session.HOLD_GET_S)
 
         return self._whole(key, self._long_poll(f"rank {self.rank}: get {key!r}", timeout_s, attempt,
-                                                lambda missing: f"still waiting for key {key!r}", failed=failed))
+                                                lambda missing: "another rank has not set it yet", failed=failed))
 
     def barrier(self, name: str = "barrier", timeout_s: float | None = None, *,
                 participants: Sequence[int] = ()) -> None:
@@ -472,7 +481,7 @@ class CoordinatorClient:
                             hold=0.0 if participants else _session.HOLD_BARRIER_S)
 
         self._long_poll(what, timeout_s, attempt,
-                        lambda missing: f"barrier {name!r}: waiting for {len(missing)} of {self.world_size} ranks: {missing[:16]}",
+                        lambda missing: f"waiting for {len(missing)} of {self.world_size} ranks: {missing[:16]}",
                         failed=failed)
 
     def put(self, key: str, data: bytes | memoryview, readers: int = 1, timeout_s: float | None = None) -> None:
@@ -552,13 +561,13 @@ class CoordinatorClient:
         request = pb.ReportFailureRequest(caller=self.caller, reason=str(reason)[:2048])
         self._call(self._stub.ReportFailure, request, f"rank {self.rank}: report failure", SHORT_CALL_S)
 
-    def leave(self) -> None:
+    def leave(self, timeout_s: float = SHORT_CALL_S) -> None:
         """Leaves the job cleanly (distinct from failing). Idempotent; closes the channel."""
         if self._left or self._closed:
             return
         try:
             if self._joined:
-                self._op("leave", pb.LeaveRequest(caller=self.caller), f"rank {self.rank}: leave", SHORT_CALL_S)
+                self._op("leave", pb.LeaveRequest(caller=self.caller), f"rank {self.rank}: leave", timeout_s)
             self._left = True
         finally:
             self.close()
@@ -582,11 +591,19 @@ class CoordinatorClient:
 
 def fetch_status(host: str, port: int, token: str | None = None, timeout_s: float = SHORT_CALL_S) -> pb.StatusResponse:
     """One Status call (for ``gridcomm status``)."""
+    return fetch_status_call(host, port, token, timeout_s)[0]
+
+
+def fetch_status_call(host: str, port: int, token: str | None = None,
+                      timeout_s: float = SHORT_CALL_S) -> tuple[pb.StatusResponse, tuple[tuple[str, Any], ...]]:
+    """One Status call: the answer and its trailing metadata (the refused joins ride there)."""
     target = _config.format_target(host, port)
     secret = _config.token(token)
     metadata = (("authorization", f"Bearer {secret}"),) if secret else ()
     with make_channel(target, _config.tls()) as channel:
         try:
-            return pb_grpc.CoordinatorStub(channel).Status(pb.StatusRequest(), timeout=timeout_s, metadata=metadata)
+            reply, call = pb_grpc.CoordinatorStub(channel).Status.with_call(pb.StatusRequest(), timeout=timeout_s,
+                                                                            metadata=metadata)
         except grpc.RpcError as exc:
             raise translate(exc, "status", target) from exc
+        return reply, tuple(call.trailing_metadata() or ())

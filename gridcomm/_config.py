@@ -277,6 +277,15 @@ def health_port(explicit: int | None = None, environ: Mapping[str, str] | None =
     return None if found is None else _parse_int(found[0], found[1], minimum=1, maximum=65535)
 
 
+def metrics_port(explicit: int | None = None, environ: Mapping[str, str] | None = None) -> int | None:
+    """The Prometheus /metrics port of the process hosting the coordinator: argument,
+    GRIDCOMM_METRICS_PORT, else None (no metrics endpoint). deploy/k8s uses 13335."""
+    if explicit is not None:
+        return _check_int("metrics_port", explicit, minimum=0, maximum=65535)
+    found = _first(_env(environ), ("GRIDCOMM_METRICS_PORT",))
+    return None if found is None else _parse_int(found[0], found[1], minimum=0, maximum=65535)
+
+
 @dataclasses.dataclass(frozen=True)
 class TlsFiles:
     """TLS material (PEM bytes) from GRIDCOMM_TLS_*; see :func:`tls`."""

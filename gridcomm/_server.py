@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2
 
-from gridcomm import _config
+from gridcomm import _config, _metrics
 from gridcomm._errors import ConfigError, CoordinatorUnavailable
 from gridcomm._guard import MAX_METADATA_BYTES, BoundedHealth, GuardedServer, health_server_options
 from gridcomm._proto import coordinator_pb2 as pb
@@ -319,6 +319,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
 
     async def _admit(self, context: grpc.aio.ServicerContext, name: str) -> None:
         """Checks the call's token on its headers; a refused call is answered (and this raises)."""
+        self._owner.metrics.watch_call(context, name)  # metrics hook (issue 18): counted when the call ends
         try:
             self._authenticate(context, name)
         except Exception as exc:  # noqa: BLE001 - refused with a status, never a crash
@@ -423,6 +424,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         return member
 
     def _on_failure(self) -> None:
+        self._owner.metrics.rank_failed()  # metrics hook (issue 18): one call per new failure
         self._owner._set_serving(False)
         self.wake_all()
         self._note_departures()
@@ -438,11 +440,14 @@ class _Servicer(pb_grpc.CoordinatorServicer):
         state = self._state
         now = self._now()
         was_failed = state.failed
+        self._owner.metrics.ops["join"] += 1  # metrics hook (issue 18)
         try:
             completed = state.join(
                 request.job_id, request.rank, request.world_size, request.incarnation, request.hostname, now
             )
-        except StateError:
+        except StateError as exc:
+            # Hook (issue 18): kept for status and the waiting ranks' messages, and logged.
+            self._owner.metrics.join_refused(request.rank, request.hostname, exc.code, exc.message)
             if state.failed and not was_failed:
                 # Why: the join marked a rank failed (a restarted process): tell everyone now.
                 log.error("coordinator: %s", state.failures[0].reason)
@@ -464,7 +469,8 @@ class _Servicer(pb_grpc.CoordinatorServicer):
             missing = state.missing_join()
             raise _Abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"{len(missing)} of {state.world_size} ranks have not joined: {_bounded(missing)}",
+                f"{len(missing)} of {state.world_size} ranks have not joined: {_bounded(missing)}"
+                + self._owner.metrics.refusal_note(missing),  # hook (issue 18): a missing rank that was refused
                 ((MISSING_KEY, _ranks_text(missing)),),
             )
         return pb.JoinResponse(
@@ -478,6 +484,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
     @_handler
     async def Set(self, request: pb.SetRequest, context: grpc.aio.ServicerContext) -> pb.SetResponse:
         member = self._caller(request.caller, "set")
+        self._owner.metrics.ops["set"] += 1  # metrics hook (issue 18)
         state = self._state
         state.check_not_failed("set")
         if request.total_bytes:
@@ -496,6 +503,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
     def _begin_get(self, request: pb.GetRequest, members: Sequence[Member]) -> pb.GetResponse | _Parked:
         """The value, or what to wait for; ``members`` (the caller, or a Session group) were admitted."""
         state = self._state
+        self._owner.metrics.ops["get"] += len(members)  # metrics hook (issue 18)
         key = request.key
         value = state.get(key)  # validates the key
         if value is not None:
@@ -557,8 +565,12 @@ class _Servicer(pb_grpc.CoordinatorServicer):
             state.check_not_failed(f"barrier {quote(name)}")
         before = barrier.completed if barrier is not None else 0
         completed = state.arrive(name, member.rank, seq, now, participants)
-        for done_seq in range(before + 1, completed + 1):
-            self._wake(("barrier", name, done_seq))
+        if completed > before:
+            for done_seq in range(before + 1, completed + 1):
+                self._wake(("barrier", name, done_seq))
+            done = state.barriers[name]
+            # metrics hook (issue 18): once per completed instance, never per arrival
+            self._owner.metrics.barrier_completed(done.last_wait_s, completed - before, len(done.members))
         return member  # type: ignore[no-any-return]
 
     def _begin_barrier(self, request: pb.BarrierRequest, members: Sequence[Member]) -> pb.BarrierResponse | _Parked:
@@ -655,6 +667,7 @@ class _Servicer(pb_grpc.CoordinatorServicer):
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         state = self._state
         caller = request.caller
+        self._owner.metrics.ops["leave"] += 1  # metrics hook (issue 18)
         member = state.members.get(caller.rank)
         if member is None or member.state is not MemberState.LEFT or member.incarnation != caller.incarnation:
             state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, "leave")
@@ -753,6 +766,8 @@ class _Servicer(pb_grpc.CoordinatorServicer):
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         state = self._state
         now = self._now()
+        # Hook (issue 18): the latest refused joins ride in the trailers (no proto change).
+        context.set_trailing_metadata(self._owner.metrics.refusals_trailer())
         return pb.StatusResponse(
             job_id=state.job_id,
             world_size=state.world_size,
@@ -926,6 +941,8 @@ class _ServerSession:
             self._ready.set()
             await writer
         except Exception as exc:  # noqa: BLE001 - refused with a status, never a crash
+            if self._servicer._owner._closing:
+                return  # hook (issue 18): the server stopped under an open stream; nobody to tell
             # Why first: a reply still being written makes the abort fail (too many operations
             # on the call) and leaves the stream hanging; let that write end, drop the rest.
             self._results = []
@@ -949,6 +966,7 @@ class _ServerSession:
 
     def _refused(self, op_id: int, name: str, exc: Exception, also: Sequence[int] = ()) -> pb.SessionResult:
         code, details, metadata = _status_of(name, exc)
+        self._servicer._owner.metrics.session_op_error(name, code, 1 + len(also))  # metrics hook (issue 18)
         return pb.SessionResult(id=op_id, also=also, code=code.value[0], details=details,
                                 metadata=[pb.MetadataEntry(key=k, value=v) for k, v in metadata])
 
@@ -1089,6 +1107,7 @@ class Coordinator:
         limits: Limits | None = None,
         tls: _config.TlsFiles | None = None,
         health_port: int | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.world_size = _config.world_size(world_size)
         self.bind = _config.validate_host("bind", bind)
@@ -1126,6 +1145,12 @@ class Coordinator:
         self._health_port_requested = health_port
         #: The plaintext grpc.health.v1 port (health only; kubelet's probes cannot speak TLS).
         self.health_port: int | None = None
+        # Hook (issue 18): counters for operators, and /metrics when a port is given.
+        self.metrics = _metrics.CoordinatorMetrics()
+        self._metrics_port_requested = metrics_port
+        self._metrics_server: _metrics.MetricsServer | None = None
+        #: The Prometheus /metrics port (after start(), when one was asked for).
+        self.metrics_port: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -1159,6 +1184,13 @@ class Coordinator:
             raise CoordinatorUnavailable(f"the coordinator did not start within {timeout_s:.1f} s.")
         if self._start_error is not None:
             raise self._start_error
+        if self._metrics_port_requested is not None:  # hook (issue 18)
+            try:
+                self._metrics_server = _metrics.serve_metrics(self, self._metrics_port_requested, self.bind)
+            except BaseException:
+                self.stop()
+                raise
+            self.metrics_port = self._metrics_server.port
         return self
 
     def _run(self) -> None:
@@ -1201,8 +1233,8 @@ class Coordinator:
         port = await self._main.start()
         if port == 0:
             raise CoordinatorUnavailable(
-                f"the coordinator cannot listen on {target}; is the port in use? choose another with "
-                "GRIDCOMM_PORT or port=0."
+                f"the coordinator cannot listen on {target}: {self._main.bind_error or 'is the port in use?'}; "
+                "choose another with GRIDCOMM_PORT or port=0."
             )
         self._port = port
         health_server = None
@@ -1213,7 +1245,8 @@ class Coordinator:
             self.health_port = await health_server.start()
             if not self.health_port:
                 await self._main.stop(0)
-                raise CoordinatorUnavailable(f"the health port {health_target} cannot be bound; is it in use?")
+                raise CoordinatorUnavailable(f"the health port {health_target} cannot be bound: "
+                                             f"{health_server.bind_error or 'is it in use?'}")
         self._health_server = health_server
         self._job_ok = True
         await self._publish_health()
@@ -1239,9 +1272,13 @@ class Coordinator:
         return self._job_ok and main is not None and main.accepting
 
     async def _publish_health(self) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if self.serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in ("", SERVICE_NAME):
-            await self._health.set(service, status)
+        # Issue 18: "" is liveness (the port accepts calls), whatever happened to the ranks;
+        # SERVICE_NAME is readiness (serving, and no rank has failed).
+        main = self._main
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        live = not self._closing and main is not None and main.accepting
+        await self._health.set("", serving if live else not_serving)
+        await self._health.set(SERVICE_NAME, serving if self.serving else not_serving)
 
     def _accepting_changed(self, accepting: bool) -> None:
         """The watchdog found the main server dead (or bound it again): the plaintext health port
@@ -1274,6 +1311,9 @@ class Coordinator:
     def stop(self, grace_s: float = 0.0) -> None:
         """Stops serving, first waiting up to ``grace_s`` for every rank to leave. Idempotent."""
         atexit.unregister(self._stop_at_exit)
+        metrics, self._metrics_server = self._metrics_server, None
+        if metrics is not None:  # hook (issue 18)
+            metrics.stop()
         if self._thread is None or self._loop is None or self._stopped.is_set():
             return
         if grace_s > 0:

@@ -55,15 +55,20 @@ def test_probe_exit_codes(coordinator_factory):
     [t.start() for t in threads]
     [t.join(10) for t in threads]
     clients[1].report_failure("test failure")
-    bad = gridcomm_cli("probe", f"127.0.0.1:{server.port}")
+    # The coordinator's readiness follows the job; its liveness ("") only says it answers.
+    bad = gridcomm_cli("probe", f"127.0.0.1:{server.port}", "--service", "gridcomm.v1.Coordinator")
     assert bad.returncode == 4 and "NOT_SERVING" in bad.stderr
+    live = gridcomm_cli("probe", f"127.0.0.1:{server.port}")
+    assert live.returncode == 0, live.stderr
 
     with socket.socket() as sock:  # a port with nothing listening
         sock.bind(("127.0.0.1", 0))
         free = sock.getsockname()[1]
-    down = gridcomm_cli("probe", f"127.0.0.1:{free}", "--timeout-s", "1")
+    down = gridcomm_cli("probe", f"127.0.0.1:{free}", "--timeout-s", "5")
     assert down.returncode == 2 and str(free) in down.stderr
     assert len(down.stderr.strip().splitlines()) == 1
+    # A refused connection fails at once, and says so rather than "within 5 s".
+    assert "cannot connect" in down.stderr and "within" not in down.stderr, down.stderr
 
     assert gridcomm_cli("probe", "not-an-address").returncode == 1
 
