@@ -193,7 +193,8 @@ def token(explicit: str | None = None, environ: Mapping[str, str] | None = None)
         with open(found[1], encoding="utf-8") as handle:
             text = handle.read().strip()
     except OSError as exc:
-        raise ConfigError(f"GRIDCOMM_TOKEN_FILE={found[1]!r} cannot be read: {exc.strerror}.") from exc
+        raise ConfigError(f"GRIDCOMM_TOKEN_FILE={found[1]!r} cannot be read: {exc.strerror}; is the file (in "
+                          "Kubernetes: the Secret mounted there, with its key) in place?") from exc
     return validate_token("GRIDCOMM_TOKEN_FILE", text)
 
 

@@ -57,6 +57,9 @@ class ProcessHealth:
     def start(self) -> ProcessHealth:
         async def begin() -> int:
             self._health = BoundedHealth()
+            # Both answers are set before the port opens, so no probe sees NOT_FOUND.
+            await self._health.set("", _SERVING)
+            await self._health.set(SERVICE_NAME, _NOT_SERVING)
             target = _config.format_target(self._bind, self._requested)
             server = GuardedServer("rank health", target, health_server_options(), self._health.register)
             port = await server.start()
@@ -64,8 +67,6 @@ class ProcessHealth:
                 raise CoordinatorUnavailable(
                     f"the health port {target} cannot be bound ({server.bind_error or 'in use?'}); set "
                     "GRIDCOMM_HEALTH_PORT to a free port (the manifests' probes name the same port).")
-            await self._health.set("", _SERVING)
-            await self._health.set(SERVICE_NAME, _NOT_SERVING)
             self._server = server
             return port
 
