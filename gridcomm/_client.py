@@ -99,11 +99,11 @@ def translate(error: grpc.RpcError, what: str, target: str) -> GridcommError:
     """Turns a gRPC error into the library's error, with a message that names the call and address."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
     details = (error.details() if hasattr(error, "details") else None) or str(code)  # type: ignore[attr-defined]
+    details = _progress.without_repeat(what, details)  # issue 18: no "barrier 'x': barrier 'x': ..."
     failed = _metadata_value(error, FAILED_KEY)
     if failed is not None:
         rank = int(failed) if failed.lstrip("-").isdigit() else -1
         return RankFailedError(f"{what}: {details}", rank=rank, reason=details)
-    details = _progress.without_repeat(what, details)  # issue 18: no "barrier 'x': barrier 'x': ..."
     cls = _STATUS_ERRORS.get(code, GridcommError)
     if cls is RendezvousTimeout:
         missing_text = _metadata_value(error, MISSING_KEY)

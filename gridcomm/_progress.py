@@ -98,5 +98,8 @@ class Wait:
 def timed_out(what: str, total_s: float, timeout: RendezvousTimeout) -> RendezvousTimeout:
     """The error of a wait that reached its deadline: what, how long, the server's words, a hint."""
     details = without_repeat(what, str(getattr(timeout, "details", timeout)))
+    instance = re.match(r"#\d+: ", details)  # "barrier 'x' #3 did not complete ...: 1 of 2 ranks ..."
+    if instance:
+        what, details = f"{what} {instance.group(0)[:-2]}", details[instance.end():]
     return RendezvousTimeout(f"{what} did not complete within {total_s:.1f} s: {details}"
                              f"{_hint(timeout.missing_ranks, details)}", timeout.missing_ranks)

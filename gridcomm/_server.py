@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2
 
 from gridcomm import _config, _metrics
 from gridcomm._errors import ConfigError, CoordinatorUnavailable
+from gridcomm._eventloop import drop_late_grpc_events
 from gridcomm._guard import MAX_METADATA_BYTES, BoundedHealth, GuardedServer, health_server_options
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
@@ -1195,6 +1196,7 @@ class Coordinator:
 
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
+        drop_late_grpc_events(loop)  # hook (issue 18): no traceback for another loop's late events
         self._loop = loop
         try:
             loop.run_until_complete(self._serve())
