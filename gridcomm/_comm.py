@@ -318,11 +318,16 @@ class Communicator:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        root = self._root()
         if exc is None:
             self.stop()
-        elif isinstance(exc, GridcommError) and self._root()._closed is not None:
+        elif isinstance(exc, RankFailedError) or (isinstance(exc, GridcommError) and root._closed is not None):
             # Another rank failed (or this one already aborted): leave; nothing new to report.
-            self._root().stop()
+            # Why RankFailedError on its own: a call can learn of a peer's failure before this
+            # rank's watcher does; reporting this rank failed too made one crash read as several.
+            if root._closed is None:
+                root._on_failure(exc)
+            root.stop()
         else:
             self.abort(f"{exc_type.__name__ if exc_type else 'error'} in user code: {exc}")
 

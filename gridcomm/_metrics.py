@@ -11,7 +11,6 @@ imported only by :func:`serve_metrics`, so a coordinator without a metrics port 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import collections
 import concurrent.futures
 import dataclasses
@@ -19,6 +18,7 @@ import json
 import logging
 import threading
 import time
+from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -81,7 +81,7 @@ class CoordinatorMetrics:
         self.barriers_completed += instances
         self.barrier_arrivals += instances * participants
         self.barrier_wait_sum += wait_s
-        self.barrier_wait_buckets[bisect.bisect_left(BARRIER_BUCKETS, wait_s)] += 1
+        self.barrier_wait_buckets[bisect_left(BARRIER_BUCKETS, wait_s)] += 1
         if instances > 1:
             self.barrier_wait_buckets[0] += instances - 1
 

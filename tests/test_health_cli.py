@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import gridcomm
 from tests.conftest import ROOT
+from tests.support.ranks import serving
 
 ENV = dict(os.environ, PYTHONPATH=ROOT)
 
@@ -75,10 +76,7 @@ def test_probe_exit_codes(coordinator_factory):
 
 @pytest.mark.timeout(60)
 def test_serve_and_status(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "gridcomm", "serve", "--world-size", "3", "--bind", "127.0.0.1",
-                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    try:
-        line = proc.stdout.readline()
+    with serving(["--world-size", "3", "--bind", "127.0.0.1", "--port", "0"], ENV) as (proc, line):
         assert "listening on 127.0.0.1:" in line, line + proc.stderr.read()
         port = int(line.rsplit(":", 1)[1])
         client = gridcomm.CoordinatorClient("127.0.0.1", port, 1, 3, timeout_s=0.5)
@@ -89,13 +87,6 @@ def test_serve_and_status(tmp_path):
         assert "1 of 3 ranks joined" in status.stdout
         assert "missing ranks (2): [0, 2]" in status.stdout
         client.close()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
     assert proc.returncode == 0
 
 

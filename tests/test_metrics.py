@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import gridcomm
 from tests.conftest import ROOT, RankProcesses, report
-from tests.support.ranks import Rank, free_port, kill_all
+from tests.support.ranks import Rank, free_port, kill_all, serving
 
 ENV = dict(os.environ, PYTHONPATH=ROOT)
 
@@ -56,11 +56,8 @@ except gridcomm.RankFailedError as exc:
 def test_serve_metrics_port_serves_the_named_series():
     token = "metrics-test-token"
     serve_env = dict(ENV, GRIDCOMM_TOKEN=token, GRIDCOMM_HEARTBEAT_TIMEOUT_S="2")
-    proc = subprocess.Popen([sys.executable, "-m", "gridcomm", "serve", "--world-size", "3", "--bind", "127.0.0.1",
-                             "--port", "0", "--metrics-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=serve_env)
-    try:
-        line = proc.stdout.readline()
+    with serving(["--world-size", "3", "--bind", "127.0.0.1", "--port", "0", "--metrics-port", "0"],
+                 serve_env) as (proc, line):
         assert "metrics on port" in line, line + proc.stderr.read()
         port = int(line.split("listening on 127.0.0.1:")[1].split()[0])
         metrics_port = int(line.rsplit("metrics on port ", 1)[1].rstrip(")\n"))
@@ -110,13 +107,6 @@ def test_serve_metrics_port_serves_the_named_series():
                                 text=True, timeout=30, env=dict(ENV, GRIDCOMM_TOKEN=token))
         assert status.returncode == 0, status.stderr
         assert "REFUSED join: rank 1 (from " in status.stdout and "world size is 4" in status.stdout, status.stdout
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 RANK = r"""

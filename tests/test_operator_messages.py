@@ -16,7 +16,7 @@ import pytest
 
 import gridcomm
 from tests.conftest import ROOT, RankProcesses, report
-from tests.support.ranks import free_port
+from tests.support.ranks import free_port, serving
 
 ENV = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
 ENV.pop("GRIDCOMM_TOKEN", None)
@@ -297,17 +297,9 @@ def test_ctrl_c_in_launch_is_an_interrupt_not_a_failed_rank(tmp_path):
 
 @pytest.fixture
 def serve():
-    proc = subprocess.Popen([sys.executable, "-m", "gridcomm", "serve", "--world-size", "4", "--bind", "127.0.0.1",
-                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    line = proc.stdout.readline()
-    assert "listening on 127.0.0.1:" in line, line + proc.stderr.read()
-    yield int(line.rsplit(":", 1)[1])
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+    with serving(["--world-size", "4", "--bind", "127.0.0.1", "--port", "0"], ENV) as (proc, line):
+        assert "listening on 127.0.0.1:" in line, line + proc.stderr.read()
+        yield int(line.rsplit(":", 1)[1])
 
 
 @pytest.mark.timeout(60)

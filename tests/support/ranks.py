@@ -8,6 +8,7 @@ as kubelet dials one per probe.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
@@ -17,7 +18,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -127,6 +128,24 @@ class Rank:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 pass
+
+
+@contextlib.contextmanager
+def serving(args: list[str], env: dict[str, str]) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``gridcomm serve ARGS`` in a process of its own: yields it and its first line (where it
+    listens); terminated (then killed) on the way out."""
+    proc = subprocess.Popen([sys.executable, "-m", "gridcomm", "serve", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        yield proc, proc.stdout.readline()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 def kill_all(ranks: Iterable[Rank]) -> None:
