@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import re
 import signal
@@ -336,3 +338,26 @@ def test_status_watch_ends_cleanly_on_ctrl_c(serve):
             proc.kill()
             proc.wait(10)
     assert proc.returncode == 130 and "Traceback" not in err, err
+
+
+def _handle_events() -> None:
+    """Named as grpc.aio's completion-queue callback is, for a real asyncio.Handle's repr."""
+
+
+def test_a_late_grpc_event_for_a_closed_loop_is_dropped_quietly(caplog: pytest.LogCaptureFixture):
+    """grpc.aio delivers a closed loop's completions through another loop of the process; the
+    RuntimeError that raises there is dropped (nothing can act on it), anything else is not."""
+    from gridcomm._eventloop import drop_late_grpc_events
+
+    loop = asyncio.new_event_loop()
+    try:
+        drop_late_grpc_events(loop)
+        late = asyncio.Handle(_handle_events, (), loop)
+        with caplog.at_level(logging.DEBUG):
+            loop.call_exception_handler({"message": "Exception in callback", "handle": late,
+                                         "exception": RuntimeError("Event loop is closed")})
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+            loop.call_exception_handler({"message": "something else", "handle": late, "exception": ValueError("x")})
+            assert [r for r in caplog.records if r.levelno >= logging.ERROR and "something else" in r.getMessage()]
+    finally:
+        loop.close()
