@@ -203,7 +203,8 @@ def test_after_a_failure_the_survivors_exit_quietly_and_promptly(victim: int):
         assert stop_s < 3.0, f"rank {r}'s stop() took {stop_s} s\n{report(results)}"
         assert "Traceback" not in err and "_ServerStoppedError" not in err, report(results)
         assert "sent no heartbeat" not in err, report(results)
-        assert "Deadline Exceeded" not in err, report(results)
+        # The leave after a failure is skipped (coordinator gone) or bounded, never a wait that fails.
+        assert "could not tell the coordinator" not in err, report(results)
 
 
 # --- true hints and plain command lines -----------------------------------------------------------
