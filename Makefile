@@ -7,15 +7,21 @@ PYTEST_ARGS ?=
 
 .PHONY: demo test test-scale test-gpu proto proto-check lint clean
 
-$(BIN)/.installed: pyproject.toml
+# What `make demo` needs: gridcomm and its runtime dependencies only.
+$(BIN)/.installed-run: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+# What `make test` and `make lint` need on top: the development toolchain.
+$(BIN)/.installed: $(BIN)/.installed-run
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q -e '.[netns]' 2>/dev/null || \
 		echo "note: NetfilterQueue did not build (libnetfilter-queue-dev missing?); latency tests will skip"
 	touch $@
 
-demo: $(BIN)/.installed
+demo: $(BIN)/.installed-run
 	$(BIN)/gridcomm demo
 
 # pytest exits 5 when it collected no test; that is reported, not hidden, but is not a failure

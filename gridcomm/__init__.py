@@ -20,6 +20,7 @@ from gridcomm._errors import (
     RankFailedError,
     RendezvousTimeout,
 )
+from gridcomm._health import start_health_server
 from gridcomm._server import Coordinator
 
 __version__ = "0.1.0"
@@ -40,4 +41,5 @@ __all__ = [
     "RendezvousTimeout",
     "__version__",
     "init_process_group",
+    "start_health_server",
 ]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 import time
 
-from gridcomm import _cluster, _config
+from gridcomm import _cluster, _config, _health
 from gridcomm._client import CoordinatorClient
 from gridcomm._comm import Communicator, FailureLatch, build_backend
 from gridcomm._errors import ConfigError, GridcommError
-from gridcomm._liveness import RankHealth, Watcher
+from gridcomm._liveness import Watcher
 from gridcomm._p2p import PlaneConfig, local_address
 from gridcomm._server import Coordinator
 
@@ -23,6 +23,10 @@ def resolve_backend(name: str | None) -> str:
         from gridcomm import _nccl
 
         choice = "nccl" if _nccl.available() else "host"
+    elif choice == "nccl":
+        from gridcomm import _nccl
+
+        _nccl.require_gpu()  # issue 18: say so (and suggest host/auto) before the rendezvous
     return choice
 
 
@@ -74,20 +78,19 @@ def init_process_group(
     wait_s = _config.timeout_s(timeout_s)
     started = time.monotonic()
     coordinator = None
-    health = None
     watcher = None
     latch = FailureLatch()
-    health_port = _config.health_port()
-    if health_port is not None and not (my_rank == 0 and _config.coordinator_mode() == "embedded"):
-        # Up before the rendezvous, so kubelet's liveness probe passes while ranks gather.
-        health = RankHealth(health_port, _config.bind_address()).start()
+    # Up before the rendezvous (or earlier: start_health_server), so kubelet's liveness probe
+    # passes while ranks gather; readiness waits for the communicator. On rank 0 too: the health
+    # port answers for this rank, not for the coordinator it hosts (issue 18).
+    health = _health.process_health() or _health.running()
     # The data plane's address is found on the route to the coordinator's configured name (rank 0
     # dials its own server on loopback below, which says nothing about what its peers can reach).
     route_host = dial_host
     if my_rank == 0 and _config.coordinator_mode() == "embedded":
         bind = _config.bind_address()
         coordinator = Coordinator(world_size, bind=bind, port=dial_port, token=secret, tls=tls,
-                                  health_port=health_port).start()
+                                  metrics_port=_config.metrics_port()).start()
         # Why: rank 0 dials its own server directly, not through a DNS name that may lag (with
         # TLS it keeps the configured name, which the certificate is issued for, unless
         # GRIDCOMM_TLS_SERVER_NAME says what to verify).
@@ -110,8 +113,6 @@ def init_process_group(
     except BaseException as exc:
         if watcher is not None:
             watcher.stop()
-        if health is not None:
-            health.stop()
         if client is not None:
             if isinstance(exc, GridcommError) and client.generation:
                 try:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import platform
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -14,8 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gridcomm import _config
 from gridcomm._channel import channel_options
-from gridcomm._client import fetch_status
-from gridcomm._errors import GridcommError
+from gridcomm._errors import ConfigError, GridcommError
 from gridcomm._server import Coordinator
 
 log = logging.getLogger("gridcomm")
@@ -31,6 +32,8 @@ PROBE_NOT_SERVING = 4
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gridcomm", description="NCCL/host communicators with a gRPC control plane.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="print gridcomm's version (and grpcio's, protobuf's, Python's) and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run a standalone coordinator")
@@ -40,6 +43,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--job-id", default=None, help="job id every rank must present (default: GRIDCOMM_JOB_ID)")
     serve.add_argument("--exit-when-done", action="store_true",
                        help="exit 0 once every rank has left (non-zero if a rank failed)")
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus metrics at http://BIND:PORT/metrics (default: GRIDCOMM_METRICS_PORT, "
+                            "else none; 0 picks a free port)")
 
     probe = sub.add_parser("probe", help="grpc.health.v1 Check; exit 0 only when SERVING")
     probe.add_argument("target", help="HOST:PORT")
@@ -48,7 +54,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="who joined, who is missing, pending barriers, failures")
     status.add_argument("target", help="HOST:PORT")
-    status.add_argument("--timeout-s", type=float, default=10.0)
+    status.add_argument("--timeout-s", type=float, default=10.0, help="deadline of each Status call (default 10 s)")
+    status.add_argument("--watch", action="store_true", help="a live view, redrawn every --interval-s until Ctrl-C")
+    status.add_argument("--interval-s", type=float, default=2.0, help="--watch: seconds between frames (default 2)")
+    status.add_argument("--count", type=int, default=None, help="--watch: stop after this many frames")
 
     launch = sub.add_parser("launch", help="start N local ranks (like torchrun); a failing rank stops the rest")
     launch.add_argument("--nproc", type=int, required=True, help="number of local ranks")
@@ -63,15 +72,27 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def version_text() -> str:
+    """``gridcomm X (grpcio Y, protobuf Z, Python W)``: what a bug report needs."""
+    from google import protobuf
+
+    from gridcomm import __version__
+
+    return (f"gridcomm {__version__} (grpcio {grpc.__version__}, protobuf {protobuf.__version__}, "
+            f"Python {platform.python_version()})")
+
+
 def _serve(args: argparse.Namespace) -> int:
     bind = _config.bind_address(args.bind)
     _, port = _config.coordinator_address("localhost", args.port)
     server = Coordinator(_config.world_size(args.world_size), bind=bind, port=port, token=_config.token(),
-                         job_id=args.job_id, tls=_config.tls(), health_port=_config.health_port()).start()
+                         job_id=args.job_id, tls=_config.tls(), health_port=_config.health_port(),
+                         metrics_port=_config.metrics_port(args.metrics_port)).start()
     print(f"gridcomm coordinator for {server.world_size} ranks listening on "
           f"{_config.format_target(bind, server.port)}"
           + (f" (TLS; plaintext health on port {server.health_port})" if server.tls else "")
-          + (f" (health on port {server.health_port})" if server.health_port and not server.tls else ""), flush=True)
+          + (f" (health on port {server.health_port})" if server.health_port and not server.tls else "")
+          + (f" (metrics on port {server.metrics_port})" if server.metrics_port else ""), flush=True)
     done = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -98,15 +119,22 @@ def probe(target: str, service: str = "", timeout_s: float = 5.0) -> tuple[int, 
     except GridcommError as exc:
         return PROBE_BAD_ARGS, str(exc)
     address = _config.format_target(host, port)
+    started = time.monotonic()
     with grpc.insecure_channel(address, options=channel_options()) as channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         except grpc.RpcError as exc:
-            code = exc.code()  # type: ignore[attr-defined]
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                return PROBE_UNREACHABLE, f"{address}: no health answer within {timeout_s:g} s ({code.name}: {exc.details()})"  # type: ignore[attr-defined]
-            return PROBE_RPC_FAILED, f"{address}: health check of service {service!r} failed: {code.name}: {exc.details()}"  # type: ignore[attr-defined]
+            code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
+            took = time.monotonic() - started
+            if code == grpc.StatusCode.UNAVAILABLE:
+                # Why not "within N s": a refused connection fails at once (issue 18).
+                return PROBE_UNREACHABLE, (f"{address}: cannot connect ({details}; after {took:.1f} s); is the process "
+                                           f"running and serving health on port {port}?")
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return PROBE_UNREACHABLE, f"{address}: no health answer within {timeout_s:g} s ({details})"
+            return PROBE_RPC_FAILED, f"{address}: health check of service {service!r} failed: {code.name}: {details}"
+
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
     if response.status == health_pb2.HealthCheckResponse.SERVING:
         return PROBE_SERVING, f"{address}: service {service!r} is SERVING"
@@ -114,24 +142,16 @@ def probe(target: str, service: str = "", timeout_s: float = 5.0) -> tuple[int, 
 
 
 def _status(args: argparse.Namespace) -> int:
+    from gridcomm import _statusview
+
     host, port = _config.parse_target(args.target)
-    reply = fetch_status(host, port, timeout_s=args.timeout_s)
-    joined = [m for m in reply.members]
-    print(f"job {reply.job_id!r}: {len(joined)} of {reply.world_size} ranks joined, generation {reply.generation}, "
-          f"{'SERVING' if reply.serving else 'NOT_SERVING'}, up {reply.uptime_s:.1f} s")
-    if reply.missing_ranks:
-        print(f"missing ranks ({len(reply.missing_ranks)}): {list(reply.missing_ranks)[:64]}")
-    states = {1: "joined", 2: "left", 3: "failed"}
-    for m in joined[:256]:
-        print(f"  rank {m.rank:>5}  {states.get(m.state, '?'):<7} {m.hostname}  incarnation {m.incarnation:#018x}")
-    if len(joined) > 256:
-        print(f"  ... {len(joined) - 256} more")
-    for b in reply.barriers:
-        print(f"barrier {b.name!r} #{b.seq}: {len(b.arrived_ranks)} arrived, waiting {b.waiting_s:.1f} s for "
-              f"{list(b.missing_ranks)[:32]}")
-    for f in reply.failures:
-        print(f"FAILED rank {f.rank}: {f.reason}")
-    return 0
+    timeout_s = _config.parse_duration("--timeout-s", args.timeout_s)
+    if not args.watch:
+        return _statusview.show(host, port, timeout_s, sys.stdout)
+    interval_s = _config.parse_duration("--interval-s", args.interval_s)
+    if args.count is not None and args.count < 1:
+        raise ConfigError(f"--count={args.count} must be at least 1.")
+    return _statusview.watch(host, port, interval_s, args.count, timeout_s, sys.stdout)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -159,6 +179,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(nproc=args.nproc, backend=args.backend, iters=args.iters)
     except GridcommError as exc:
-        print(f"gridcomm {args.command}: {exc}", file=sys.stderr)
+        text = str(exc)
+        # Why: an error raised for a call named after the command already starts with its name.
+        if text.startswith(f"{args.command}: "):
+            text = text[len(args.command) + 2:]
+        print(f"gridcomm {args.command}: {text}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"gridcomm {args.command}: interrupted", file=sys.stderr)
+        return 130
     raise AssertionError(f"unknown command {args.command}")

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from gridcomm import _config, _session
+from gridcomm import _config, _progress, _session
 from gridcomm._channel import make_channel
 from gridcomm._errors import (
     CommAborted,
@@ -190,6 +190,7 @@ class CoordinatorClient:
         started = time.monotonic()
         deadline = started + total
         answered = False
+        speaker = _progress.Wait(what, self.target, total, started, progress)  # waits that speak (issue 18)
         while True:
             wait_s = max(0.0, min(deadline - time.monotonic(), PROGRESS_INTERVAL_S))
             try:
@@ -198,18 +199,14 @@ class CoordinatorClient:
                 timeout = exc
             answered = answered or bool(getattr(timeout, "from_server", False))
             if deadline - time.monotonic() > 0.05:
-                if timeout.missing_ranks:
-                    log.info("rank %d: %s after %.0f s", self.rank, progress(timeout.missing_ranks), time.monotonic() - started)
+                speaker.slice_ended(timeout, answered)
                 continue
             if first_contact and not answered:
                 raise CoordinatorUnavailable(
                     f"{what}: no answer from the coordinator at {self.target} within {total:.1f} s; is rank 0 "
                     "(or `gridcomm serve`) running there, and does the name resolve?"
                 ) from timeout
-            details = getattr(timeout, "details", str(timeout))
-            hint = f"; is the process for rank {timeout.missing_ranks[0]} running?" if timeout.missing_ranks else ""
-            raise RendezvousTimeout(f"{what} did not complete within {total:.1f} s: {details}{hint}",
-                                    timeout.missing_ranks) from timeout
+            raise _progress.timed_out(what, total, timeout) from timeout
 
     # ------------------------------------------------------------------ API
     def join(self, timeout_s: float | None = None) -> int:
@@ -289,7 +286,7 @@ class CoordinatorClient:
         def attempt(wait_s: float, call_s: float) -> pb.GetResponse:
             return self._op("get", pb.GetRequest(caller=self._caller, key=key, wait_s=wait_s), what, call_s)
 
-        return self._whole(key, self._long_poll(what, timeout_s, attempt, lambda missing: f"still waiting for key {key!r}"))
+        return self._whole(key, self._long_poll(what, timeout_s, attempt, lambda missing: "another rank has not set it yet"))
 
     def barrier(self, name: str = "barrier", timeout_s: float | None = None, *,
                 participants: Sequence[int] = ()) -> None:
@@ -308,7 +305,7 @@ class CoordinatorClient:
             return self._op("barrier", request, what, call_s)
 
         self._long_poll(what, timeout_s, attempt,
-                        lambda missing: f"barrier {name!r}: waiting for {len(missing)} of {self.world_size} ranks: {missing[:16]}")
+                        lambda missing: f"waiting for {len(missing)} of {self.world_size} ranks: {missing[:16]}")
 
     def heartbeat(self) -> list[pb.Failure]:
         """Tells the coordinator this rank is alive; returns the failures it knows of."""
@@ -321,13 +318,13 @@ class CoordinatorClient:
         request = pb.ReportFailureRequest(caller=self.caller, reason=str(reason)[:2048])
         self._call(self._stub.ReportFailure, request, f"rank {self.rank}: report failure", SHORT_CALL_S)
 
-    def leave(self) -> None:
+    def leave(self, timeout_s: float = SHORT_CALL_S) -> None:
         """Leaves the job cleanly (distinct from failing). Idempotent; closes the channel."""
         if self._left or self._closed:
             return
         try:
             if self._joined:
-                self._op("leave", pb.LeaveRequest(caller=self.caller), f"rank {self.rank}: leave", SHORT_CALL_S)
+                self._op("leave", pb.LeaveRequest(caller=self.caller), f"rank {self.rank}: leave", timeout_s)
             self._left = True
         finally:
             self.close()
@@ -351,11 +348,19 @@ class CoordinatorClient:
 
 def fetch_status(host: str, port: int, token: str | None = None, timeout_s: float = SHORT_CALL_S) -> pb.StatusResponse:
     """One Status call (for ``gridcomm status``)."""
+    return fetch_status_call(host, port, token, timeout_s)[0]
+
+
+def fetch_status_call(host: str, port: int, token: str | None = None,
+                      timeout_s: float = SHORT_CALL_S) -> tuple[pb.StatusResponse, tuple[tuple[str, Any], ...]]:
+    """One Status call: the answer and its trailing metadata (the refused joins ride there)."""
     target = _config.format_target(host, port)
     secret = _config.token(token)
     metadata = (("authorization", f"Bearer {secret}"),) if secret else ()
     with make_channel(target, _config.tls()) as channel:
         try:
-            return pb_grpc.CoordinatorStub(channel).Status(pb.StatusRequest(), timeout=timeout_s, metadata=metadata)
+            reply, call = pb_grpc.CoordinatorStub(channel).Status.with_call(pb.StatusRequest(), timeout=timeout_s,
+                                                                            metadata=metadata)
         except grpc.RpcError as exc:
             raise translate(exc, "status", target) from exc
+        return reply, tuple(call.trailing_metadata() or ())

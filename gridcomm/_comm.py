@@ -14,13 +14,24 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from gridcomm._client import CoordinatorClient
-from gridcomm._errors import CommAborted, ConfigError, GridcommError, RankFailedError, coordinator_lost
-from gridcomm._liveness import RankHealth, Watcher
+from gridcomm._client import SHORT_CALL_S, CoordinatorClient
+from gridcomm._errors import (
+    CommAborted,
+    ConfigError,
+    CoordinatorUnavailable,
+    GridcommError,
+    RankFailedError,
+    coordinator_lost,
+)
+from gridcomm._health import ProcessHealth
+from gridcomm._liveness import Watcher
 from gridcomm._p2p import PlaneConfig
 from gridcomm._server import Coordinator
 
 log = logging.getLogger(__name__)
+
+#: How long a rank that saw a peer fail waits for its leave to be answered.
+LEAVE_AFTER_FAILURE_S = 2.0
 
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gather", "send", "recv", "send_recv",
                "scatter", "gather", "all_to_all")
@@ -90,7 +101,7 @@ class Communicator:
     def __init__(self, backend: Any, client: CoordinatorClient, *, name: str = "world",
                  members: Sequence[int] | None = None, coordinator: Coordinator | None = None,
                  parent: Communicator | None = None, grace_s: float = 60.0, watcher: Watcher | None = None,
-                 health: RankHealth | None = None, latch: FailureLatch | None = None) -> None:
+                 health: ProcessHealth | None = None, latch: FailureLatch | None = None) -> None:
         self._backend = backend
         self._client = client
         self._coordinator = coordinator
@@ -118,7 +129,7 @@ class Communicator:
             backend.on_broken = self._broken_data_plane
         backend.coordinator_rank = self.coordinator_rank
         if health is not None:
-            health.set(live=True, ready=True)
+            health.set_ready(self, True)
         if latch is not None:
             latch.attach(self._on_failure)
 
@@ -139,7 +150,8 @@ class Communicator:
         root._close(error)
         root._abort_backends(error)
         if root._health is not None:
-            root._health.set(live=False, ready=False)
+            # Readiness only: liveness stays SERVING while this process answers (issue 18).
+            root._health.set_ready(root, False)
 
     def _abort_backends(self, error: GridcommError) -> None:
         for backend in self._all_backends():
@@ -308,20 +320,20 @@ class Communicator:
             except Exception as exc:  # noqa: BLE001 - best effort; leaving still matters more
                 log.warning("rank %d: freeing a backend failed: %s", self.rank, exc)
         if self._health is not None:
-            # A failure seen earlier already turned liveness off; it stays off.
-            self._health.set(live=False if report is not None else None, ready=False)
+            self._health.set_ready(self, False)
         try:
             if report is not None:
                 self._client.report_failure(report)
+            elif isinstance(self._closed, CoordinatorUnavailable):
+                pass  # the coordinator is gone: nobody to leave (a leave would wait out its deadline)
             else:
-                self._client.leave()
+                # Why a short bound after a failure: the leave only tidies up; the job is over.
+                self._client.leave(LEAVE_AFTER_FAILURE_S if isinstance(self._closed, RankFailedError) else SHORT_CALL_S)
         except GridcommError as exc:
             log.warning("rank %d: could not tell the coordinator (%s): %s", self.rank,
                         "failure" if report else "leave", exc)
         finally:
             self._client.close()
-            if self._health is not None:
-                self._health.stop()
             if self._coordinator is not None:
                 self._coordinator.stop(grace_s=self._grace_s)
 
@@ -329,11 +341,16 @@ class Communicator:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        root = self._root()
         if exc is None:
             self.stop()
-        elif isinstance(exc, GridcommError) and self._root()._closed is not None:
+        elif isinstance(exc, RankFailedError) or (isinstance(exc, GridcommError) and root._closed is not None):
             # Another rank failed (or this one already aborted): leave; nothing new to report.
-            self._root().stop()
+            # Why RankFailedError on its own: a call can learn of a peer's failure before this
+            # rank's watcher does; reporting this rank failed too made one crash read as several.
+            if root._closed is None:
+                root._on_failure(exc)
+            root.stop()
         else:
             self.abort(f"{exc_type.__name__ if exc_type else 'error'} in user code: {exc}")
 

@@ -193,7 +193,8 @@ def token(explicit: str | None = None, environ: Mapping[str, str] | None = None)
         with open(found[1], encoding="utf-8") as handle:
             text = handle.read().strip()
     except OSError as exc:
-        raise ConfigError(f"GRIDCOMM_TOKEN_FILE={found[1]!r} cannot be read: {exc.strerror}.") from exc
+        raise ConfigError(f"GRIDCOMM_TOKEN_FILE={found[1]!r} cannot be read: {exc.strerror}; is the file (in "
+                          "Kubernetes: the Secret mounted there, with its key) in place?") from exc
     return validate_token("GRIDCOMM_TOKEN_FILE", text)
 
 
@@ -300,6 +301,15 @@ def shared_memory(environ: Mapping[str, str] | None = None) -> bool:
     if value in ("0", "off", "false", "no"):
         return False
     raise ConfigError(f"GRIDCOMM_SHM={found[1]!r} must be 1/on/true/yes or 0/off/false/no.")
+
+
+def metrics_port(explicit: int | None = None, environ: Mapping[str, str] | None = None) -> int | None:
+    """The Prometheus /metrics port of the process hosting the coordinator: argument,
+    GRIDCOMM_METRICS_PORT, else None (no metrics endpoint). deploy/k8s uses 13335."""
+    if explicit is not None:
+        return _check_int("metrics_port", explicit, minimum=0, maximum=65535)
+    found = _first(_env(environ), ("GRIDCOMM_METRICS_PORT",))
+    return None if found is None else _parse_int(found[0], found[1], minimum=0, maximum=65535)
 
 
 @dataclasses.dataclass(frozen=True)

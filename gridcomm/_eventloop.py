@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import logging
 import os
 import threading
 from collections.abc import Coroutine
 from typing import Any
 
 from gridcomm._errors import GridcommError
+
+log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
@@ -32,6 +35,7 @@ def loop() -> asyncio.AbstractEventLoop:
     with _lock:
         if _loop is None or _loop.is_closed() or _pid != os.getpid():
             new = asyncio.new_event_loop()
+            drop_late_grpc_events(new)
             ready = threading.Event()
 
             def run() -> None:
@@ -47,6 +51,25 @@ def loop() -> asyncio.AbstractEventLoop:
             _loop, _pid = new, os.getpid()
             atexit.register(_shutdown)
         return _loop
+
+
+def _late_grpc_event(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    exc = context.get("exception")
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and \
+            "_handle_events" in repr(context.get("handle")):
+        log.debug("dropped a gRPC completion for an event loop that was closed: %s", context.get("handle"))
+        return
+    loop.default_exception_handler(context)
+
+
+def drop_late_grpc_events(loop: asyncio.AbstractEventLoop) -> None:
+    """Makes ``loop`` drop, quietly, a gRPC completion that arrives for another loop of this
+    process after that loop was closed. Why: grpc.aio has one completion queue per process, and any
+    loop bound to it delivers events for the others; a completion for a closed loop (a coordinator
+    stopped in this process, whose server's last events come late) raised 'Event loop is closed'
+    inside the delivering loop, printed as a traceback at the end of a run that went well (issue 18).
+    Nothing can act on such an event: its loop is gone."""
+    loop.set_exception_handler(_late_grpc_event)
 
 
 def current() -> asyncio.AbstractEventLoop | None:

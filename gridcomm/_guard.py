@@ -16,7 +16,9 @@ Two pieces, shared by the coordinator's port, its plaintext health port and a ra
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +62,35 @@ def _running(server: grpc.aio.Server) -> bool:
     return True if is_running is None else bool(is_running())
 
 
+def bind_problem(target: str) -> str | None:
+    """Why ``target`` (HOST:PORT) cannot be listened on now, or None when it can (or when the
+    port is 0). Why ask before grpc does: grpc's core prints its own error line
+    (``add_port.cc ... Failed to add port``) to stderr when a bind fails, beside our message."""
+    host, _, port_text = target.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        port = int(port_text)
+    except ValueError:
+        return None  # not a HOST:PORT this check understands: grpc decides
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        return f"the address {host!r} does not resolve ({exc.strerror or exc})"
+    family, kind, proto, _canon, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        # As grpc's listeners do: a port held only by connections in TIME_WAIT is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} is already in use on {host}"
+            return f"{host}:{port} cannot be bound ({exc.strerror or exc})"
+    return None
+
+
 class GuardedServer:
     """A ``grpc.aio`` server that a watchdog rebuilds on the same port if its loop dies.
 
@@ -85,6 +116,8 @@ class GuardedServer:
         #: Times the server was found dead and bound again.
         self.restarts = 0
         self.accepting = False
+        #: Why the first bind failed, when it did (see bind_problem).
+        self.bind_error: str | None = None
 
     def _bind(self, target: str) -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server(options=self._options, maximum_concurrent_rpcs=None)
@@ -99,7 +132,11 @@ class GuardedServer:
         return server, port
 
     async def start(self) -> int:
-        """Binds and starts; returns the port (0 when it cannot be bound: the caller says why)."""
+        """Binds and starts; returns the port (0 when it cannot be bound: the caller says why,
+        with :attr:`bind_error`)."""
+        self.bind_error = bind_problem(self._target)
+        if self.bind_error is not None:
+            return 0
         server, port = self._bind(self._target)
         if not port:
             return 0

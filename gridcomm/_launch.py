@@ -84,7 +84,15 @@ def launch(nproc: int, command: Sequence[str], backend: str | None = None,
             pump.start()
             pumps.append(pump)
 
+    interrupted: list[int] = []
+
     def forward(signum: int, _frame: object) -> None:
+        if not interrupted:
+            interrupted.append(signum)
+            with lock:
+                err.write(f"gridcomm launch: got {signal.Signals(signum).name}; passing it to every rank and waiting "
+                          f"for them to stop (up to {STOP_GRACE_S:g} s)\n".encode())
+                err.flush()
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signum)
@@ -106,6 +114,11 @@ def launch(nproc: int, command: Sequence[str], backend: str | None = None,
             procs[rank].returncode = code
             if code != 0 and first_failure is None:
                 first_failure = (rank, code)
+                if interrupted:
+                    # Why: the rank ended because of the signal this launcher passed on; that is
+                    # not a failure of the rank to report (issue 18: Ctrl-C read as "rank 2 failed").
+                    _reap_later(procs, running)
+                    continue
                 with lock:
                     err.write(f"gridcomm launch: rank {rank} exited with code {code}; stopping the other "
                               f"ranks\n".encode())
@@ -118,6 +131,8 @@ def launch(nproc: int, command: Sequence[str], backend: str | None = None,
             signal.signal(sig, handler)
         for pump in pumps:
             pump.join(5)
+    if interrupted:
+        return 128 + interrupted[0]
     if first_failure is None:
         return 0
     return first_failure[1] if first_failure[1] > 0 else 128 - first_failure[1]

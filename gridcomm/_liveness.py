@@ -2,10 +2,12 @@
 
 The loop hosts, for every communicator of this process, a watcher
 that long-polls the coordinator's Heartbeat (so the coordinator knows the rank is alive, and the
-rank learns of any failure at once), and the per-rank grpc.health.v1 server kubelet probes.
-When a watcher learns that a rank failed, or cannot reach the coordinator for the heartbeat
-timeout, it calls the communicator's failure handler from this thread (which aborts NCCL work
-that may be spinning on the GPU).
+rank learns of any failure at once). When a watcher learns that a rank failed, or cannot reach
+the coordinator for the heartbeat timeout, it calls the communicator's failure handler from this
+thread (which aborts NCCL work that may be spinning on the GPU). After a peer's failure it goes
+on heartbeating until the rank stops: the rank is alive (it may be writing a checkpoint), and a
+rank that went silent would be reported failed too, one crash reading as several.
+The per-rank grpc.health.v1 server kubelet probes lives in :mod:`gridcomm._health`.
 """
 
 from __future__ import annotations
@@ -15,10 +17,8 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2
 
 from gridcomm import _config
 from gridcomm._channel import make_aio_channel
@@ -26,11 +26,8 @@ from gridcomm._client import translate
 from gridcomm._errors import CoordinatorLost, CoordinatorUnavailable, GridcommError, RankFailedError
 from gridcomm._eventloop import current as _current_loop
 from gridcomm._eventloop import loop as _runtime
-from gridcomm._eventloop import run_soon, submit
-from gridcomm._guard import BoundedHealth, GuardedServer, health_server_options
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
-from gridcomm._wire import SERVICE_NAME
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +53,7 @@ class Watcher:
         self._coordinator_rank = coordinator_rank
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
+        self._reported = False
 
     def start(self) -> None:
         loop = _runtime()
@@ -74,9 +72,9 @@ class Watcher:
             running.call_soon_threadsafe(task.cancel)
 
     def _report(self, error: GridcommError) -> None:
-        if self._stopped:
+        if self._stopped or self._reported:
             return
-        self._stopped = True
+        self._reported = True
         try:
             self._on_failure(error)
         except Exception:  # noqa: BLE001 - a handler bug must not kill the liveness thread
@@ -90,6 +88,10 @@ class Watcher:
         backoff = 0.05
         try:
             while not self._stopped:
+                if self._reported:
+                    # Why the pause: once the job has failed, the coordinator answers a heartbeat
+                    # at once (with the failures); heartbeats go on at the bound's pace.
+                    await asyncio.sleep(interval)
                 request = pb.HeartbeatRequest(caller=self._caller, wait_s=interval)
                 try:
                     reply = await stub.Heartbeat(request, timeout=interval + 1.0, metadata=self._metadata)
@@ -111,7 +113,6 @@ class Watcher:
                 backoff = 0.05
                 if reply.failures:
                     self._report(failure_error(reply.failures[0], self._caller.rank))
-                    return
         except asyncio.CancelledError:
             pass
         finally:
@@ -126,58 +127,3 @@ class Watcher:
             return CoordinatorLost(f"rank {self._coordinator_rank} failed: {text} (seen by rank {self._caller.rank})",
                                    rank=self._coordinator_rank, reason=text)
         return CoordinatorUnavailable(f"rank {self._caller.rank}: {text}")
-
-
-class RankHealth:
-    """grpc.health.v1 for one rank on a plaintext port (GRIDCOMM_HEALTH_PORT), for kubelet.
-
-    ``""`` (liveness) is SERVING from start until this rank or job fails; ``gridcomm.v1.Coordinator``
-    (readiness) is SERVING once the communicator is up, NOT_SERVING after a failure or abort.
-    """
-
-    def __init__(self, port: int, bind: str = "0.0.0.0") -> None:
-        self._port = port
-        self._bind = bind
-        self._server: grpc.aio.Server | None = None
-        self._health: Any = None
-        self._dead = False
-        self.port = 0
-
-    def start(self) -> RankHealth:
-        async def begin() -> int:
-            self._health = BoundedHealth()
-            server = GuardedServer("rank health", _config.format_target(self._bind, self._port),
-                                   health_server_options(), self._health.register)
-            port = await server.start()
-            if port == 0:
-                raise CoordinatorUnavailable(f"the health port {self._bind}:{self._port} cannot be bound; is it in use?")
-            await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
-            await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-            self._server = server
-            return port
-
-        self.port = submit(begin()).result(10.0)
-        return self
-
-    def set(self, live: bool | None = None, ready: bool | None = None) -> None:
-        """Updates liveness and/or readiness (None leaves one as it is). Liveness never returns
-        to SERVING once it was turned off: a failed rank stays failed for kubelet."""
-        if live:
-            live = None if self._dead else live
-        if live is False:
-            self._dead = True
-
-        async def update() -> None:
-            serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-            if live is not None:
-                await self._health.set("", serving if live else not_serving)
-            if ready is not None:
-                await self._health.set(SERVICE_NAME, serving if ready else not_serving)
-
-        if self._health is not None:
-            run_soon(update(), 5.0)
-
-    def stop(self) -> None:
-        server, self._server = self._server, None
-        if server is not None:
-            run_soon(server.stop(0.2), 5.0)

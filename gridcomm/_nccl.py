@@ -27,10 +27,13 @@ def _load() -> tuple[Any, Any]:
             from cupy.cuda import nccl
         except Exception as exc:  # noqa: BLE001 - ImportError, or CUDA library load errors
             raise ConfigError(f"the nccl backend needs CuPy with NCCL (pip install 'gridcomm[cuda12]' or "
-                              f"'gridcomm[cuda13]'); importing it failed: {exc}") from exc
+                              f"'gridcomm[cuda13]'); importing it failed: {exc}. On a machine without GPUs use "
+                              f"backend='host' (NumPy arrays), or backend='auto', which picks host there "
+                              f"(GRIDCOMM_BACKEND=host or auto).") from exc
         if not getattr(nccl, "available", False):
             raise ConfigError("CuPy is installed but NCCL is not available to it; install nvidia-nccl-cu12 "
-                              "(or -cu13) matching your cupy-cuda package, or use backend='host'.")
+                              "(or -cu13) matching your cupy-cuda package, or use backend='host' (NumPy arrays) or "
+                              "backend='auto' (NCCL where it works, else host); GRIDCOMM_BACKEND sets either.")
         _cupy, _nccl = cupy, nccl
     return _cupy, _nccl
 
@@ -42,6 +45,22 @@ def available() -> bool:
         return bool(cupy.cuda.runtime.getDeviceCount() > 0)
     except Exception:  # noqa: BLE001 - any failure means "not available"
         return False
+
+
+def require_gpu() -> None:
+    """Raises ConfigError, before any rendezvous, when backend='nccl' cannot work here: no CuPy
+    or NCCL (see _load), or no GPU that CuPy sees."""
+    cupy, _ = _load()
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # noqa: BLE001 - CUDA driver errors: no usable GPU
+        count, why = 0, f" ({exc})"
+    else:
+        why = ""
+    if count == 0:
+        raise ConfigError(f"backend='nccl' needs a GPU, but CuPy sees none{why}; on a machine without GPUs use "
+                          "backend='host' (NumPy arrays) or backend='auto' (NCCL where a GPU is, else host); "
+                          "GRIDCOMM_BACKEND sets either.")
 
 
 def new_unique_id() -> bytes:

@@ -80,6 +80,8 @@ class _Barrier:
     count_next: int = 0
     #: When the first rank arrived at the oldest incomplete instance (for status and progress).
     waiting_since: float | None = None
+    #: How long the instance that completed last waited, first arrival to completion (metrics).
+    last_wait_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -379,6 +381,7 @@ class JobState:
                 barrier.count_next += 1
                 # Why: counting arrivals keeps an arrival O(1); the recount runs once per instance.
                 while barrier.count_next == len(barrier.members):
+                    barrier.last_wait_s = now - barrier.waiting_since if barrier.waiting_since is not None else 0.0
                     barrier.completed += 1
                     barrier.count_next = sum(1 for r in barrier.members if barrier.arrived[r] > barrier.completed)
                     barrier.waiting_since = now if barrier.count_next else None

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from gridcomm._metrics import CoordinatorMetrics
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._rendezvous import JobState, Member, StateError, quote
 from gridcomm._wire import CHUNK_BYTES, FAILED_KEY, MISSING_KEY, ranks_text
@@ -147,6 +148,7 @@ class Owner(Protocol):
     connection_grace_s: float
     _closing: bool
     _all_left: threading.Event
+    metrics: CoordinatorMetrics
 
     @property
     def serving(self) -> bool: ...
@@ -164,6 +166,7 @@ class Servicer:
         self._waiters: dict[tuple[Any, ...], list[asyncio.Future[None]]] = {}
         self._token = owner._token.encode() if owner._token is not None else None
         self.refusals = RefusalLog()
+        self.metrics = owner.metrics
 
     # ------------------------------------------------------------------ plumbing
     def _now(self) -> float:
@@ -264,6 +267,7 @@ class Servicer:
         return member
 
     def _on_failure(self) -> None:
+        self.metrics.rank_failed()  # one call per new failure
         self._owner._set_serving(False)
         self.wake_all()
         self._note_departures()
@@ -283,10 +287,13 @@ class Servicer:
     async def join(self, request: pb.JoinRequest, deadline: float | None) -> pb.JoinResponse:
         state = self._state
         was_failed = state.failed
+        self.metrics.ops["join"] += 1
         try:
             completed = state.join(request.job_id, request.rank, request.world_size, request.incarnation,
                                    request.hostname, self._now())
-        except StateError:
+        except StateError as exc:
+            # Kept for status and the waiting ranks' messages, and logged (issue 18).
+            self.metrics.join_refused(request.rank, request.hostname, exc.code, exc.message)
             if state.failed and not was_failed:
                 # Why: the join marked a rank failed (a restarted process): tell everyone now.
                 log.error("coordinator: %s", state.failures[0].reason)
@@ -303,7 +310,8 @@ class Servicer:
         if not ok:
             missing = state.missing_join()
             raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"{len(missing)} of {state.world_size} ranks have not joined: {_bounded(missing)}",
+                        f"{len(missing)} of {state.world_size} ranks have not joined: {_bounded(missing)}"
+                        + self.metrics.refusal_note(missing),  # a missing rank that was refused says why
                         ((MISSING_KEY, ranks_text(missing)),))
         # Members are not sent: O(world size) per join is O(world size^2) per rendezvous; Status
         # lists them for who needs them.
@@ -312,6 +320,7 @@ class Servicer:
 
     async def set(self, request: pb.SetRequest, deadline: float | None) -> pb.SetResponse:
         member = self._caller(request.caller, "set")
+        self.metrics.ops["set"] += 1
         state = self._state
         state.check_not_failed("set")
         if request.total_bytes:
@@ -324,6 +333,7 @@ class Servicer:
 
     async def get(self, request: pb.GetRequest, deadline: float | None) -> pb.GetResponse:
         member = self._caller(request.caller, "get")
+        self.metrics.ops["get"] += 1
         state = self._state
         key = request.key
         value = state.get(key)  # validates the key
@@ -359,9 +369,12 @@ class Servicer:
         barrier = state.barriers.get(name)
         before = barrier.completed if barrier is not None else 0
         completed = state.arrive(name, member.rank, seq, now, request.participants)
-        for done_seq in range(before + 1, completed + 1):
-            self._wake(("barrier", name, done_seq))
         barrier = state.barriers[name]
+        if completed > before:
+            for done_seq in range(before + 1, completed + 1):
+                self._wake(("barrier", name, done_seq))
+            # Once per completed instance, never per arrival.
+            self.metrics.barrier_completed(barrier.last_wait_s, completed - before, len(barrier.members))
         if barrier.completed >= seq:
             return pb.BarrierResponse(seq=seq)
         blocker = state.barrier_blocker(name, seq)
@@ -422,6 +435,7 @@ class Servicer:
 
     async def leave(self, request: pb.LeaveRequest, deadline: float | None) -> pb.LeaveResponse:
         caller = request.caller
+        self.metrics.ops["leave"] += 1
         self._state.depart(caller.job_id, caller.rank, caller.incarnation, caller.generation, self._now())
         # Why: barriers waiting on this rank can never complete; let them fail now.
         self.wake_all()

@@ -60,6 +60,8 @@ class ServerSession:
             self._ready.set()
             await writer
         except Exception as exc:  # noqa: BLE001 - refused with a status, never a crash
+            if self._servicer._owner._closing:
+                return  # the server stopped under an open stream: nobody to tell
             # Why first: a reply still being written makes the abort fail (too many operations
             # on the call) and leaves the stream hanging; let that write end, drop the rest.
             self._results = []
@@ -82,6 +84,7 @@ class ServerSession:
 
     def _refused(self, op_id: int, name: str, exc: Exception) -> pb.SessionResult:
         code, text, metadata = status_of(name, exc)
+        self._servicer.metrics.session_op_error(name, code, 1)
         return pb.SessionResult(id=op_id, code=code.value[0], details=text,
                                 metadata=[pb.MetadataEntry(key=k, value=v) for k, v in metadata])
 

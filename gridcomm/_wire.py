@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 import grpc
 
+from gridcomm import _progress
 from gridcomm._errors import (
     AuthenticationError,
     CommAborted,
@@ -82,6 +83,7 @@ def translate(error: grpc.RpcError, what: str, target: str) -> GridcommError:
     """Turns a gRPC error into the library's error, with a message that names the call and address."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
     details = (error.details() if hasattr(error, "details") else None) or str(code)  # type: ignore[attr-defined]
+    details = _progress.without_repeat(what, details)  # no "barrier 'x': barrier 'x': ..."
     failed = _metadata_value(error, FAILED_KEY)
     if failed is not None:
         rank = int(failed) if failed.lstrip("-").isdigit() else -1

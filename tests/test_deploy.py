@@ -31,7 +31,6 @@ from tests.support.procs import ROOT
 DEPLOY = os.path.join(ROOT, "deploy")
 K8S = os.path.join(DEPLOY, "k8s")
 CRD = os.path.join(ROOT, "..", "shared", "k8s", "jobset-crd.yaml")
-K8S_VERSIONS = ["1.31", kubernetes_validate.latest_version()]
 NAMESPACE_DOMAIN = "team-a.svc.cluster.local"
 
 
@@ -45,14 +44,20 @@ def _load_module(name: str, path: str) -> Any:
 
 generate = _load_module("gridcomm_deploy_generate", os.path.join(K8S, "generate.py"))
 train = _load_module("gridcomm_deploy_train", os.path.join(DEPLOY, "docker", "train.py"))
+K8S_VERSIONS = [generate.MIN_KUBERNETES, kubernetes_validate.latest_version()]
 
 CUSTOM_ARGS = ["--name", "llm-train", "--service", "llm-net", "--world-size", "16", "--image",
                "registry.example.com/team/llm@sha256:" + "a" * 64, "--backend", "host", "--replicated-job", "gpu-workers"]
 
 
 def _committed() -> dict[str, str]:
-    return {name: open(os.path.join(K8S, name), encoding="utf-8").read()
-            for name in sorted(os.listdir(K8S)) if name.endswith(".yaml")}
+    files = {}
+    for folder, _dirs, names in os.walk(K8S):
+        for name in names:
+            if name.endswith((".yaml", ".yml")):
+                path = os.path.join(folder, name)
+                files[os.path.relpath(path, K8S)] = open(path, encoding="utf-8").read()
+    return dict(sorted(files.items()))
 
 
 def _rendered(argv: list[str]) -> dict[str, str]:
@@ -64,17 +69,24 @@ def _rendered(argv: list[str]) -> dict[str, str]:
 SETS = {"committed": _committed(), "custom": _rendered(CUSTOM_ARGS)}
 
 
+def _docs(text: str) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(text) if doc is not None]
+
+
 class Manifests:
-    """One set of files, parsed: the Service, the Job, the Secret and the JobSet."""
+    """One set of files, parsed: the headless Service, the Job, the JobSet, the metrics Services
+    (one per variant) and the ServiceMonitor."""
 
     def __init__(self, files: dict[str, str]) -> None:
         self.files = files
-        self.docs = [doc for text in files.values() for doc in yaml.safe_load_all(text) if doc is not None]
-        by_kind: dict[str, list[dict]] = {}
-        for doc in self.docs:
-            by_kind.setdefault(doc["kind"], []).append(doc)
-        assert {k: len(v) for k, v in by_kind.items()} == {"Service": 1, "Job": 1, "Secret": 1, "JobSet": 1}
-        self.service, self.job, self.secret, self.jobset = (by_kind[k][0] for k in ("Service", "Job", "Secret", "JobSet"))
+        self.by_file = {name: _docs(text) for name, text in files.items()}
+        self.docs = [doc for docs in self.by_file.values() for doc in docs]
+        assert sorted(self.by_file) == sorted(generate.LAYOUT), sorted(self.by_file)
+        one = {name: docs[0] for name, docs in self.by_file.items() if len(docs) == 1}
+        assert len(one) == len(self.by_file), "one object per file"
+        self.service, self.job = one["job/service.yaml"], one["job/job.yaml"]
+        self.job_metrics, self.jobset_metrics = one["job/metrics-service.yaml"], one["jobset/metrics-service.yaml"]
+        self.jobset, self.servicemonitor = one["jobset/jobset.yaml"], one["monitoring/servicemonitor.yaml"]
         (self.rjob,) = self.jobset["spec"]["replicatedJobs"]
 
     def pod_specs(self) -> Iterator[tuple[str, dict]]:
@@ -120,14 +132,41 @@ def test_generator_backends_are_the_librarys():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("extra, kinds", [([], ["Service", "Job"]), (["--jobset"], ["JobSet"])])
+@pytest.mark.parametrize("extra, kinds", [([], ["Service", "Job", "Service"]), (["--jobset"], ["JobSet", "Service"]),
+                                          (["--servicemonitor"], ["ServiceMonitor"])])
 def test_generator_command_line_prints_what_kubectl_applies(extra: list[str], kinds: list[str]):
     out = subprocess.run([sys.executable, os.path.join(K8S, "generate.py"), "--name", "demo", "--world-size", "3", *extra],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     docs = list(yaml.safe_load_all(out.stdout))
-    assert [d["kind"] for d in docs] == kinds
-    assert all(d["metadata"]["name"] == "demo" for d in docs)
+    assert sorted(d["kind"] for d in docs) == sorted(kinds)
+    assert {d["metadata"]["name"] for d in docs} <= {"demo", "demo-metrics"}
+
+
+def test_one_folder_per_kubectl_apply():
+    """`kubectl apply -f deploy/k8s/` applies nothing (no YAML at the top); `-f deploy/k8s/job/` the
+    Indexed Job without the JobSet, and the other way round; no folder holds a Secret."""
+    assert not [n for n in os.listdir(K8S) if n.endswith((".yaml", ".yml", ".json"))]
+    kinds = {folder: sorted(d["kind"] for name, text in SETS["committed"].items() if name.startswith(folder + "/")
+                            for d in _docs(text)) for folder in ("job", "jobset", "monitoring")}
+    assert kinds == {"job": ["Job", "Service", "Service"], "jobset": ["JobSet", "Service"],
+                     "monitoring": ["ServiceMonitor"]}
+    assert not any(d["kind"] == "Secret" for text in SETS["committed"].values() for d in _docs(text))
+
+
+@pytest.mark.timeout(60)
+def test_generator_out_makes_missing_folders_and_says_when_it_cannot(tmp_path):
+    target = tmp_path / "new" / "deeper"
+    made = subprocess.run([sys.executable, os.path.join(K8S, "generate.py"), "--out", str(target)],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    assert sorted(str(p.relative_to(target)) for p in target.rglob("*.yaml")) == sorted(generate.LAYOUT)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    refused = subprocess.run([sys.executable, os.path.join(K8S, "generate.py"), "--out", str(blocker)],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert "--out" in refused.stderr and "cannot write" in refused.stderr, refused.stderr
 
 
 # --- schemas ----------------------------------------------------------------------------------------
@@ -152,8 +191,18 @@ def test_yamllint_can_fail():
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_builtin_kinds_validate_strictly(m: Manifests, version: str):
-    for doc in (m.service, m.job, m.secret):
+    for doc in (m.service, m.job, m.job_metrics, m.jobset_metrics):
         kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_stated_minimum_kubernetes_is_the_minimum(m: Manifests):
+    """The release before MIN_KUBERNETES rejects the Job, so the stated minimum is not too low to
+    be true nor higher than it needs to be (deploy/README.md states it)."""
+    major, minor = generate.MIN_KUBERNETES.split(".")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(m.job, f"{major}.{int(minor) - 1}", strict=True)
+    readme = open(os.path.join(DEPLOY, "README.md"), encoding="utf-8").read()
+    assert f"Kubernetes {generate.MIN_KUBERNETES}" in readme and f"JobSet {generate.MIN_JOBSET}" in readme
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -263,7 +312,7 @@ def test_probes_use_container_ports_and_distinct_services(m: Manifests):
         env = _literal_env(container)
         health = _config.health_port(environ=env)
         _, coordinator = _config.coordinator_address(environ=env)
-        assert {health, coordinator} <= ports, where
+        assert {health, coordinator, _config.metrics_port(environ=env)} <= ports, where
         probes = {kind: container[kind]["grpc"] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
         assert all(p["port"] == health for p in probes.values()), (where, probes)
         assert probes["livenessProbe"]["service"] == "" and probes["readinessProbe"]["service"] == "gridcomm.v1.Coordinator"
@@ -281,21 +330,16 @@ def _string_constants(path: str) -> set[str]:
     return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
 
 
-def _kubelet_env(container: dict, secret: dict, index: int, labels: dict[str, str],
+def _kubelet_env(container: dict, index: int, labels: dict[str, str],
                  annotations: dict[str, str]) -> dict[str, str]:
     """The environment the kubelet would give this container in the pod of completion index
-    ``index``: literal values, downward-API fields, Secret keys and JOB_COMPLETION_INDEX."""
+    ``index``: literal values, downward-API fields and JOB_COMPLETION_INDEX."""
     env = {"JOB_COMPLETION_INDEX": str(index)}
     for item in container["env"]:
         if "value" in item:
             env[item["name"]] = item["value"]
             continue
         source = item["valueFrom"]
-        if "secretKeyRef" in source:
-            ref = source["secretKeyRef"]
-            assert ref["name"] == secret["metadata"]["name"], "the env reads a Secret the example does not create"
-            env[item["name"]] = secret["stringData"][ref["key"]]
-            continue
         path = source["fieldRef"]["fieldPath"]
         found = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
         assert found, f"unexpected fieldPath {path}"
@@ -312,7 +356,7 @@ def test_every_pod_of_the_job_detects_its_rank_and_rank_zero(m: Manifests):
     for index in range(size):
         labels = {"batch.kubernetes.io/controller-uid": "0c6f-uid", "batch.kubernetes.io/job-name": job,
                   "batch.kubernetes.io/job-completion-index": str(index)}
-        env = _kubelet_env(container, m.secret, index, labels, {"batch.kubernetes.io/job-completion-index": str(index)})
+        env = _kubelet_env(container, index, labels, {"batch.kubernetes.io/job-completion-index": str(index)})
         hostname = f"{job}-{index}"
         fqdn = f"{hostname}.{service}.{NAMESPACE_DOMAIN}"
         info = _cluster.detect(env, hostname=hostname, fqdn=fqdn)
@@ -341,7 +385,7 @@ def test_every_pod_of_the_jobset_detects_its_rank_and_rank_zero(m: Manifests, re
             labels = {"jobset.sigs.k8s.io/jobset-name": js, "jobset.sigs.k8s.io/jobset-uid": "7d1e-uid",
                       "jobset.sigs.k8s.io/replicatedjob-name": rjob, "jobset.sigs.k8s.io/job-index": str(job_index)}
             annotations = {**labels, "jobset.sigs.k8s.io/replicatedjob-replicas": str(replicas)}
-            env = _kubelet_env(container, m.secret, index, labels, annotations)
+            env = _kubelet_env(container, index, labels, annotations)
             hostname = f"{js}-{rjob}-{job_index}-{index}"
             info = _cluster.detect(env, hostname=hostname, fqdn=f"{hostname}.{subdomain}.{NAMESPACE_DOMAIN}")
             assert (info.world_size, info.source, info.host) == (replicas * per_job, "jobset", env["GRIDCOMM_HOST"])
@@ -352,7 +396,7 @@ def test_every_pod_of_the_jobset_detects_its_rank_and_rank_zero(m: Manifests, re
 
 def _check_settings(env: dict[str, str], container: dict) -> None:
     """Every other setting the manifest gives parses the way the library reads it."""
-    assert _config.token(environ=env) == env["GRIDCOMM_TOKEN"]
+    assert _config.metrics_port(environ=env) == generate.METRICS_PORT
     assert _config.job_id(environ=env) == env["GRIDCOMM_JOB_ID"]
     assert _config.backend(environ=env) == env["GRIDCOMM_BACKEND"]
     assert _config.timeout_s(environ=env) >= _config.DEFAULT_TIMEOUT_S
@@ -397,6 +441,56 @@ def test_container_command_is_what_the_image_holds(m: Manifests):
         assert {p["containerPort"] for p in container["ports"]} == exposed, where
 
 
-def test_secret_example_holds_a_placeholder_not_a_token(m: Manifests):
-    assert m.secret["type"] == "Opaque"
-    assert m.secret["stringData"]["token"].startswith("replace-with")
+def test_token_is_a_file_from_an_optional_secret_volume(m: Manifests):
+    """The token comes from the Secret <job>-token as a file; the volume is optional, so a missing
+    Secret or key starts the container without the file, which train.py ends with exit code 2."""
+    name = m.job["metadata"]["name"]
+    for where, pod_spec in m.pod_specs():
+        container = _worker(pod_spec)
+        env = _literal_env(container)
+        assert "GRIDCOMM_TOKEN" not in env and all("secretKeyRef" not in e.get("valueFrom", {}) for e in container["env"])
+        folder, key = os.path.split(env["GRIDCOMM_TOKEN_FILE"])
+        (mount,) = [v for v in container["volumeMounts"] if v["mountPath"] == folder]
+        (volume,) = [v for v in pod_spec["volumes"] if v["name"] == mount["name"]]
+        assert volume["secret"] == {"secretName": f"{name}-token", "optional": True, "defaultMode": 0o440}, where
+        assert key == generate.TOKEN_KEY and mount["readOnly"] is True
+        # The image's user reads a 0440 file through the pod's fsGroup.
+        assert pod_spec["securityContext"]["fsGroup"] == pod_spec["securityContext"]["runAsGroup"], where
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_token_secret_exits_2(tmp_path):
+    """What the exit-code table in deploy/README.md says: no Secret (so no token file) -> exit 2."""
+    env = dict(os.environ, PYTHONPATH=ROOT, GRIDCOMM_RANK="0", GRIDCOMM_WORLD_SIZE="2", GRIDCOMM_BACKEND="host",
+               GRIDCOMM_TOKEN_FILE=str(tmp_path / "absent" / "token"), GRIDCOMM_BIND="127.0.0.1")
+    env.pop("GRIDCOMM_TOKEN", None)
+    done = subprocess.run([sys.executable, os.path.join(DEPLOY, "docker", "train.py")], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert done.returncode == train.EXIT_CONFIG_ERROR, done.stderr
+    assert "GRIDCOMM_TOKEN_FILE" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_activedeadline_bounds_every_job(m: Manifests):
+    assert m.job["spec"]["activeDeadlineSeconds"] == generate.DEFAULT_ACTIVE_DEADLINE_S
+    assert m.rjob["template"]["spec"]["activeDeadlineSeconds"] == generate.DEFAULT_ACTIVE_DEADLINE_S
+    rules = {r["name"]: r for r in m.jobset["spec"]["failurePolicy"]["rules"]}
+    assert rules["deadlineIsFinal"] == {"name": "deadlineIsFinal", "action": "FailJobSet",
+                                        "onJobFailureReasons": ["DeadlineExceeded"]}
+
+
+def test_metrics_services_select_rank_zero_and_the_servicemonitor_finds_them(m: Manifests):
+    job_pod = m.job["spec"]["template"]
+    container = _worker(job_pod["spec"])
+    names = {p["name"]: p["containerPort"] for p in container["ports"]}
+    # Pod labels the Job controller (and the JobSet controller) add, for rank 0.
+    rank0 = {**job_pod["metadata"]["labels"], "batch.kubernetes.io/job-completion-index": "0"}
+    for service, extra in ((m.job_metrics, {}), (m.jobset_metrics, {"jobset.sigs.k8s.io/job-index": "0"})):
+        selector = service["spec"]["selector"]
+        assert selector.items() <= {**rank0, **extra}.items()
+        assert selector["batch.kubernetes.io/job-completion-index"] == "0"
+        (port,) = service["spec"]["ports"]
+        assert port["targetPort"] == "metrics" and names["metrics"] == port["port"] == generate.METRICS_PORT
+        assert m.servicemonitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (endpoint,) = m.servicemonitor["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    assert m.servicemonitor["apiVersion"] == "monitoring.coreos.com/v1"

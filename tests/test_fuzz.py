@@ -13,7 +13,7 @@ Everything runs against a real ``gridcomm.Coordinator`` on loopback, through rea
    requests with a corrupted body, a wrong length prefix or the compressed flag set.
 
 After every example the coordinator is still SERVING (grpc.health.v1) unless the model says a rank
-failed (ReportFailure, or a restarted rank, turns it NOT_SERVING by design); after every test a
+failed (ReportFailure, or a restarted rank, turns its readiness NOT_SERVING by design); after every test a
 correct client flow (``CoordinatorClient`` join, set/get, barrier, leave) works.
 
 Case counts: the default run makes >= 1,000 cases; ``GRIDCOMM_FUZZ_EXAMPLES=N`` scales every test
@@ -194,7 +194,7 @@ def test_fuzz_job_lifecycle():
                 outcome = driver.run(rpc, request)
                 if data.draw(st.booleans()):
                     driver.follow_up(rpc, request, outcome)
-            # A failure (reported, or a restarted rank) turns health NOT_SERVING; nothing else may.
+            # A failure (reported, or a restarted rank) turns readiness NOT_SERVING; nothing else may.
             if job.serving_known:
                 assert_serving(channel, serving=not job.failed, what=f"after the sequence (failed: {job.failed})")
             if job.failed:

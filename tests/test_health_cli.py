@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import gridcomm
 from tests.support.procs import ROOT
+from tests.support.ranks import serving
 
 ENV = dict(os.environ, PYTHONPATH=ROOT)
 
@@ -55,25 +56,27 @@ def test_probe_exit_codes(coordinator_factory):
     [t.start() for t in threads]
     [t.join(10) for t in threads]
     clients[1].report_failure("test failure")
-    bad = gridcomm_cli("probe", f"127.0.0.1:{server.port}")
+    # The coordinator's readiness follows the job; its liveness ("") only says it answers.
+    bad = gridcomm_cli("probe", f"127.0.0.1:{server.port}", "--service", "gridcomm.v1.Coordinator")
     assert bad.returncode == 4 and "NOT_SERVING" in bad.stderr
+    live = gridcomm_cli("probe", f"127.0.0.1:{server.port}")
+    assert live.returncode == 0, live.stderr
 
     with socket.socket() as sock:  # a port with nothing listening
         sock.bind(("127.0.0.1", 0))
         free = sock.getsockname()[1]
-    down = gridcomm_cli("probe", f"127.0.0.1:{free}", "--timeout-s", "1")
+    down = gridcomm_cli("probe", f"127.0.0.1:{free}", "--timeout-s", "5")
     assert down.returncode == 2 and str(free) in down.stderr
     assert len(down.stderr.strip().splitlines()) == 1
+    # A refused connection fails at once, and says so rather than "within 5 s".
+    assert "cannot connect" in down.stderr and "within" not in down.stderr, down.stderr
 
     assert gridcomm_cli("probe", "not-an-address").returncode == 1
 
 
 @pytest.mark.timeout(60)
 def test_serve_and_status(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "gridcomm", "serve", "--world-size", "3", "--bind", "127.0.0.1",
-                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    try:
-        line = proc.stdout.readline()
+    with serving(["--world-size", "3", "--bind", "127.0.0.1", "--port", "0"], ENV) as (proc, line):
         assert "listening on 127.0.0.1:" in line, line + proc.stderr.read()
         port = int(line.rsplit(":", 1)[1])
         client = gridcomm.CoordinatorClient("127.0.0.1", port, 1, 3, timeout_s=0.5)
@@ -84,13 +87,6 @@ def test_serve_and_status(tmp_path):
         assert "1 of 3 ranks joined" in status.stdout
         assert "missing ranks (2): [0, 2]" in status.stdout
         client.close()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
     assert proc.returncode == 0
 
 

@@ -8,8 +8,10 @@ only, what kubelet writes there: the FQDN and the short host name). Each pod run
 own ``command`` (``python /app/train.py``, mapped through the Dockerfile's COPY lines onto
 ``deploy/docker/train.py`` and its venv onto this test's Python) in the Dockerfile's WORKDIR,
 with the environment kubelet would build: the Dockerfile's ENV, the
-manifest's ``env`` with ``valueFrom`` resolved (the token from a Secret made as deploy/README.md
-says, ``fieldRef`` from the pod's downward API: the Job controller's labels and annotations),
+manifest's ``env`` with ``valueFrom`` resolved (``fieldRef`` from the pod's downward API: the Job
+controller's labels and annotations) and its Secret volume (the token Secret made as
+deploy/README.md says) written to a folder of the pod's own, which the paths in ``env`` that point
+into the volume's ``mountPath`` are mapped onto,
 ``JOB_COMPLETION_INDEX`` (which the Job controller injects), ``HOSTNAME`` and
 ``KUBERNETES_SERVICE_*``.
 
@@ -84,7 +86,6 @@ SIGKILL_EXIT = 128 + signal.SIGKILL  # what the container runtime reports for a 
 class Manifests:
     service: dict[str, Any]
     job: dict[str, Any]
-    secret: dict[str, Any]
 
     @property
     def pod_spec(self) -> dict[str, Any]:
@@ -103,10 +104,10 @@ def manifests(tmp_path_factory: pytest.TempPathFactory) -> Manifests:
     subprocess.run([sys.executable, GENERATE, "--name", JOB_NAME, "--service", SERVICE_NAME, "--world-size",
                     str(WORLD), "--out", str(out)], check=True, timeout=60)
     docs = {}
-    for name in ("service.yaml", "job.yaml", "secret.example.yaml"):
+    for name in ("job/service.yaml", "job/job.yaml"):
         (doc,) = [d for d in yaml.safe_load_all((out / name).read_text()) if d is not None]
         docs[name] = doc
-    m = Manifests(docs["service.yaml"], docs["job.yaml"], docs["secret.example.yaml"])
+    m = Manifests(docs["job/service.yaml"], docs["job/job.yaml"])
     assert m.job["spec"]["completionMode"] == "Indexed"
     assert m.job["spec"]["completions"] == m.job["spec"]["parallelism"] == WORLD
     assert m.pod_spec["subdomain"] == m.service["metadata"]["name"] == SERVICE_NAME
@@ -186,14 +187,35 @@ def pod_identity(m: Manifests, index: int, job_uid: str, ip: str) -> PodIdentity
                        labels, annotations, ip)
 
 
-def real_secret(example: dict[str, Any]) -> dict[str, Any]:
+def real_secret(m: Manifests) -> dict[str, Any]:
     """The Secret deploy/README.md has users create (``kubectl create secret generic <job>-token
-    --from-literal=token=$(openssl rand -hex 32)``): the example's name and key, a random token,
-    stored base64-encoded under ``data`` as the API server stores it."""
-    (key,) = example["stringData"]
+    --from-literal=token=$(openssl rand -hex 32)``): named after the job, key ``token``, a random
+    token, stored base64-encoded under ``data`` as the API server stores it."""
     token = secrets.token_hex(32)
-    return {"metadata": {"name": example["metadata"]["name"]},
-            "data": {key: base64.b64encode(token.encode()).decode()}}
+    return {"metadata": {"name": f"{m.job['metadata']['name']}-token"},
+            "data": {"token": base64.b64encode(token.encode()).decode()}}
+
+
+def mount_secrets(m: Manifests, secret: dict[str, Any], folder: str) -> dict[str, str]:
+    """kubelet's Secret volumes of the worker, written under ``folder``: {mountPath: host folder}.
+    A volume whose Secret is not ``secret`` stays empty (kubelet's answer for an optional volume
+    whose Secret does not exist)."""
+    volumes = {v["name"]: v for v in m.pod_spec.get("volumes", [])}
+    mounts = {}
+    for mount in m.container.get("volumeMounts", []):
+        source = volumes[mount["name"]].get("secret")
+        if source is None:
+            continue
+        host = os.path.join(folder, mount["name"])
+        os.makedirs(host, exist_ok=True)
+        if source["secretName"] == secret["metadata"]["name"]:
+            for key, value in secret["data"].items():
+                with open(os.path.join(host, key), "wb") as handle:
+                    handle.write(base64.b64decode(value))
+        else:
+            assert source.get("optional"), f"volume {mount['name']}: Secret {source['secretName']} is missing"
+        mounts[mount["mountPath"]] = host
+    return mounts
 
 
 def _downward(pod: PodIdentity, path: str) -> str:
@@ -218,7 +240,7 @@ def _expand(value: str, env: Mapping[str, str]) -> str:
                   lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), value)
 
 
-def container_env(m: Manifests, image: Image, pod: PodIdentity, secret: dict[str, Any],
+def container_env(m: Manifests, image: Image, pod: PodIdentity, mounts: Mapping[str, str],
                   api_server: str) -> dict[str, str]:
     """The environment kubelet gives the worker container of ``pod``."""
     env = dict(image.env)
@@ -238,13 +260,12 @@ def container_env(m: Manifests, image: Image, pod: PodIdentity, secret: dict[str
         name = entry["name"]
         if "value" in entry:
             env[name] = _expand(str(entry["value"]), env)
+            for mount_path, host in mounts.items():  # a path into a mounted volume
+                if env[name].startswith(mount_path + "/"):
+                    env[name] = host + env[name][len(mount_path):]
             continue
         source = entry["valueFrom"]
-        if "secretKeyRef" in source:
-            ref = source["secretKeyRef"]
-            assert ref["name"] == secret["metadata"]["name"], f"{name}: Secret {ref['name']} is not the one the README has users create"
-            env[name] = base64.b64decode(secret["data"][ref["key"]]).decode()
-        elif "fieldRef" in source:
+        if "fieldRef" in source:
             env[name] = _downward(pod, source["fieldRef"]["fieldPath"])
         else:
             raise AssertionError(f"{name}: valueFrom {sorted(source)} is not simulated here")
@@ -387,6 +408,8 @@ class SimulatedJob:
     image: Image
     secret: dict[str, Any]
     prober: Prober
+    #: Where each pod's volumes are written (a fresh folder per pod start).
+    volumes: str
     extra_env: dict[str, str] = field(default_factory=dict)
     job_uid: str = field(default_factory=lambda: str(uuid.uuid4()))
     pods: dict[int, Pod] = field(default_factory=dict)
@@ -395,7 +418,9 @@ class SimulatedJob:
         """Pod ``index`` as the Job controller would make it, and its container's environment."""
         identity = pod_identity(self.m, index, self.job_uid, self.topo.addr(index))
         api_server = str(self.topo.subnet.network_address + 250)  # in the pods' subnet, unused
-        env = container_env(self.m, self.image, identity, secret or self.secret, api_server)
+        folder = os.path.join(self.volumes, f"{identity.name}-{secrets.token_hex(4)}")
+        mounts = mount_secrets(self.m, secret or self.secret, folder)
+        env = container_env(self.m, self.image, identity, mounts, api_server)
         assert env["GRIDCOMM_BACKEND"] == "nccl", env["GRIDCOMM_BACKEND"]
         env["GRIDCOMM_BACKEND"] = "host"  # no GPU here: the host backend, same API, NumPy arrays
         env["PYTHONPATH"] = ROOT  # stands in for the image's `pip install gridcomm`
@@ -494,7 +519,8 @@ def sim(make_topology: Callable[..., netns.Topology], manifests: Manifests,
         own = {i: [f"{job}-{i}.{service}.{NAMESPACE}.svc.cluster.local", f"{job}-{i}"] for i in range(WORLD)}
         topo = make_topology(WORLD, names=names, own_names=own)
         prober = Prober(topo, manifests, str(tmp_path / f"{topo.prefix}-probes.jsonl"), lifetime_s=300.0)
-        return SimulatedJob(topo, manifests, Image.from_dockerfile(), real_secret(manifests.secret), prober, extra_env)
+        return SimulatedJob(topo, manifests, Image.from_dockerfile(), real_secret(manifests), prober,
+                            str(tmp_path / f"{topo.prefix}-volumes"), extra_env)
 
     yield make
 
@@ -590,9 +616,10 @@ def test_pod_killed_mid_job_others_fail_named_and_turn_not_serving(
         sim: Callable[..., SimulatedJob], outcome_table: OutcomeTable, victim: int) -> None:
     """The kill lands at the start of a step's compute (train.py's TRAIN_STEP_SLEEP_S), which lasts
     longer than the liveness bound: the others must learn of it while busy, not only at their next
-    collective, and turn NOT_SERVING while still alive; then fail that collective with a named
-    error and exit 3. A worker's death reaches them through the coordinator; rank 0's takes the
-    coordinator with it, which their heartbeats notice."""
+    collective, and turn not ready while still alive (liveness stays SERVING: kubelet must not kill
+    a survivor); then fail that collective with a named error and exit 3. A worker's death reaches
+    them through the coordinator; rank 0's takes the coordinator with it, which their heartbeats
+    notice."""
     job = sim(TRAIN_STEPS="1000", TRAIN_ELEMENTS="1024")
     heartbeat_s = _config.heartbeat_timeout_s(environ=job.pod_env(0)[1])  # the manifest's, else the default
     compute_s = heartbeat_s + 4.0
@@ -606,10 +633,8 @@ def test_pod_killed_mid_job_others_fail_named_and_turn_not_serving(
     survivors = [i for i in range(WORLD) if i != victim]
     notice_bound_s = heartbeat_s + 2.0
     for i in survivors:
-        for service in job.prober.services:
-            job.wait_probe(i, service, "NOT_SERVING", notice_bound_s + PROBE_PERIOD_S * 3, after=killed)
-    noticed = max(job.wait_probe(i, s, "NOT_SERVING", 0.0, after=killed).got for i in survivors
-                  for s in job.prober.services) - killed
+        job.wait_probe(i, READINESS, "NOT_SERVING", notice_bound_s + PROBE_PERIOD_S * 3, after=killed)
+    noticed = max(job.wait_probe(i, READINESS, "NOT_SERVING", 0.0, after=killed).got for i in survivors) - killed
     job.wait_exits([victim], 5.0)
     exit_bound_s = compute_s + heartbeat_s + 5.0
     job.wait_exits(survivors, exit_bound_s)
@@ -633,15 +658,19 @@ def test_pod_killed_mid_job_others_fail_named_and_turn_not_serving(
     for i in survivors:
         assert pod_failure_action(job.m.job, container, codes[i]) == ("FailJob", 0)
     assert job_condition(job.m.job, container, codes).startswith("Failed (PodFailurePolicy: pod ")
-    # Once out of service, never back. Readiness always; liveness where the shutdown after the
-    # failure is long enough to be seen (rank 0 gone: leaving the job retries a dead address;
-    # after a worker's death it takes milliseconds, too short for a 0.1 s prober to be sure).
+    # Readiness: once out of service, never back (no recovery here). Liveness: SERVING from the
+    # kill until the survivor's process is on its way out (what a stopping server answers in its
+    # last moment is not judged).
     for i in survivors:
-        for service in (READINESS, "") if victim == 0 else (READINESS,):
-            after = [c for c in job.prober.checks(i, service) if c.sent >= killed]
-            statuses = [c.status for c in after]
-            if "SERVING" in statuses[statuses.index("NOT_SERVING"):]:
-                raise ServingAgain(f"pod {i} service {service!r} after the kill: {summarize(after)}\n{job.report()}")
+        after = [c for c in job.prober.checks(i, READINESS) if c.sent >= killed]
+        statuses = [c.status for c in after]
+        if "SERVING" in statuses[statuses.index("NOT_SERVING"):]:
+            raise ServingAgain(f"pod {i} readiness after the kill: {summarize(after)}\n{job.report()}")
+        exited = job.pods[i].exited
+        assert exited is not None
+        live = [c for c in job.prober.checks(i, "") if killed <= c.sent and c.got <= exited - 0.5]
+        assert live and {c.status for c in live} == {"SERVING"}, \
+            f"pod {i} liveness after the kill: {summarize(job.prober.checks(i, ''))}\n{job.report()}"
 
 
 @pytest.mark.timeout(120)
@@ -651,14 +680,19 @@ def test_pod_with_another_token_exits_2_and_fails_the_job(sim: Callable[..., Sim
     run" ends in AuthenticationError and exit code 2, which the FailJob rule ends the Job on."""
     job = sim()
     job.start(0)
-    job.wait_probe(0, READINESS, "SERVING", STARTUP_S)  # rank 0's coordinator is up
+    job.wait_probe(0, "", "SERVING", STARTUP_S)  # rank 0's process is up (its coordinator follows)
     started = time.monotonic()
-    job.start(1, secret=real_secret(job.m.secret))  # the Secret re-created in between: a new token
+    job.start(1, secret=real_secret(job.m))  # the Secret re-created in between: a new token
     job.wait_exits([1], STARTUP_S)
     record(outcome_table, job, "pod 1 has another token", "pod 1 exits 2", time.monotonic() - started,
            f"{STARTUP_S:g} s")
     codes = job.exit_codes()
     assert codes == {1: 2}, job.report()  # rank 0 still waits for its ranks
+    # Rank 0 waits alone: live, and not ready before the rendezvous (it hosts the coordinator).
+    up = job.wait_probe(0, "", "SERVING", 0.0).sent
+    for service, want in (("", {"SERVING"}), (READINESS, {"NOT_SERVING"})):
+        answers = {c.status for c in job.prober.checks(0, service) if c.sent >= up}
+        assert answers == want, f"pod 0 {service!r} before the rendezvous: {summarize(job.prober.checks(0, service))}"
     assert re.search(r"configuration error: .*token", job.pods[1].proc.stderr(), re.I), job.report()
     container = job.m.container["name"]
     assert pod_failure_action(job.m.job, container, codes[1]) == ("FailJob", 0)

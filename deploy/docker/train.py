@@ -4,9 +4,14 @@ Everything comes from the environment the pod is given: the rank from ``JOB_COMP
 the world size, rank 0's address, the backend and the token from ``GRIDCOMM_*``. Each rank
 all-reduces a buffer a few times, checks the sum, meets the others at a barrier and exits.
 
+The first thing it does is start the pod's health server (``gridcomm.start_health_server()``), so
+kubelet's startup and liveness probes pass while a real job would load its data or model before
+``init_process_group``.
+
 Exit codes, which the Job's ``podFailurePolicy`` relies on:
   0  done;
-  2  a configuration error or a refused token (retrying the same pod cannot help);
+  2  a configuration error, a missing token Secret (its file is absent) or a refused token
+     (retrying the same pod cannot help);
   3  another rank failed, the coordinator went away, or the ranks never all met;
   1  anything else (counted against the Job's ``backoffLimit``).
 
@@ -76,6 +81,8 @@ def main() -> int:
     elements = int(os.environ.get("TRAIN_ELEMENTS", str(1 << 20)))
     step_sleep_s = float(os.environ.get("TRAIN_STEP_SLEEP_S", "0"))
     try:
+        # Before anything slow: liveness answers from here on, readiness once the ranks have met.
+        gridcomm.start_health_server()
         run(steps, elements, step_sleep_s)
     except (gridcomm.ConfigError, gridcomm.AuthenticationError) as exc:
         log.error("configuration error: %s", exc)

@@ -2,9 +2,18 @@
 """Writes gridcomm's Kubernetes manifests from the few values a user chooses.
 
     python deploy/k8s/generate.py --name llm --world-size 16 --image registry.example.com/llm:1 \\
-        | kubectl apply -f -                       # headless Service + Indexed Job
+        | kubectl apply -f -                       # headless Service + Indexed Job + metrics Service
     python deploy/k8s/generate.py --jobset --name llm --world-size 16 --image ... | kubectl apply -f -
+    python deploy/k8s/generate.py --servicemonitor --name llm | kubectl apply -f -   # Prometheus Operator
     python deploy/k8s/generate.py --out deploy/k8s  # rewrites the committed example files
+
+``--out DIR`` writes one folder per thing to apply, so that ``kubectl apply -f DIR/job/`` creates
+the Indexed Job and nothing else (the JobSet is in ``DIR/jobset/``, the ServiceMonitor, which needs
+the Prometheus Operator's CRDs, in ``DIR/monitoring/``). There is no Secret to apply: the token
+Secret is made with ``kubectl create secret`` (deploy/README.md), never from a placeholder file.
+Minimum versions: Kubernetes 1.29 (the Job's ``podReplacementPolicy`` and ``podFailurePolicy``;
+tests/test_deploy.py validates against the 1.29 schemas) and JobSet v0.7.0 (``restartStrategy:
+BlockingRecreate``).
 
 Why a generator and not a kustomization: the world size has to appear three times (completions,
 parallelism, GRIDCOMM_WORLD_SIZE) and the job name is part of composed strings (rank 0's address
@@ -31,6 +40,21 @@ DEFAULT_REPLICATED_JOB = "workers"
 BACKENDS = ("auto", "nccl", "host")
 COORDINATOR_PORT = 13333
 HEALTH_PORT = 13334
+METRICS_PORT = 13335
+#: Where the token Secret is mounted, and the file gridcomm reads (GRIDCOMM_TOKEN_FILE).
+TOKEN_DIR = "/var/run/secrets/gridcomm"
+TOKEN_KEY = "token"
+#: The longest a whole Job may run, pending pods included (--active-deadline-s).
+DEFAULT_ACTIVE_DEADLINE_S = 7 * 24 * 3600
+#: Files written by --out, and what each holds.
+LAYOUT = {
+    "job/service.yaml": "service", "job/job.yaml": "job", "job/metrics-service.yaml": "job_metrics",
+    "jobset/jobset.yaml": "jobset", "jobset/metrics-service.yaml": "jobset_metrics",
+    "monitoring/servicemonitor.yaml": "servicemonitor",
+}
+#: The oldest releases the manifests work on (tests/test_deploy.py validates at MIN_KUBERNETES).
+MIN_KUBERNETES = "1.29"
+MIN_JOBSET = "v0.7.0"
 #: Exit codes of deploy/docker/train.py that no retry of the same pod can fix.
 EXIT_CONFIG_ERROR = 2
 EXIT_PEER_FAILED = 3
@@ -65,21 +89,51 @@ spec:
       targetPort: health
 """)
 
-SECRET = Template("""\
+METRICS_SERVICE = Template("""\
 ---
-# The shared token every rank presents to the coordinator. Do not apply this example as it is;
-# create the Secret with a random token instead:
-#   kubectl create secret generic $name-token --from-literal=token="$$(openssl rand -hex 32)"
+# Rank 0's Prometheus metrics ($metrics_port, GRIDCOMM_METRICS_PORT): the coordinator lives in rank 0's
+# process, so this Service selects that pod only; monitoring/servicemonitor.yaml scrapes it.
 apiVersion: v1
-kind: Secret
+kind: Service
 metadata:
-  name: $name-token
+  name: $name-metrics
   labels:
     app.kubernetes.io/name: gridcomm
     app.kubernetes.io/instance: $name
-type: Opaque
-stringData:
-  token: replace-with-the-output-of-openssl-rand-hex-32
+    app.kubernetes.io/component: metrics
+spec:
+  selector:
+    app.kubernetes.io/name: gridcomm
+    app.kubernetes.io/instance: $name
+    batch.kubernetes.io/job-completion-index: "0"$rank0_selector
+  ports:
+    - name: metrics
+      port: $metrics_port
+      targetPort: metrics
+""")
+
+SERVICEMONITOR = Template("""\
+---
+# Prometheus Operator: scrape rank 0's /metrics through the $name-metrics Service (job/ or jobset/).
+# Needs the operator's CRDs; your Prometheus must select this ServiceMonitor (kube-prometheus-stack:
+# add the label its serviceMonitorSelector names, e.g. release: <helm release>).
+apiVersion: monitoring.coreos.com/v1
+kind: ServiceMonitor
+metadata:
+  name: $name
+  labels:
+    app.kubernetes.io/name: gridcomm
+    app.kubernetes.io/instance: $name
+spec:
+  selector:
+    matchLabels:
+      app.kubernetes.io/name: gridcomm
+      app.kubernetes.io/instance: $name
+      app.kubernetes.io/component: metrics
+  endpoints:
+    - port: metrics
+      path: /metrics
+      interval: 15s
 """)
 
 # The pod template shared by the Indexed Job and the JobSet; $extra_env holds what differs.
@@ -96,6 +150,8 @@ POD = Template("""\
         runAsNonRoot: true
         runAsUser: 1000
         runAsGroup: 1000
+        # The token file (mode 0440) belongs to this group, so the worker can read it.
+        fsGroup: 1000
       tolerations:
         - key: nvidia.com/gpu
           operator: Exists
@@ -110,6 +166,8 @@ POD = Template("""\
               containerPort: $coordinator_port
             - name: health
               containerPort: $health_port
+            - name: metrics
+              containerPort: $metrics_port
           env:
             - name: GRIDCOMM_WORLD_SIZE
               value: "$world_size"
@@ -119,16 +177,19 @@ POD = Template("""\
               value: "$coordinator_port"
             - name: GRIDCOMM_HEALTH_PORT
               value: "$health_port"
+            # Served by rank 0 only (it hosts the coordinator); other ranks ignore it.
+            - name: GRIDCOMM_METRICS_PORT
+              value: "$metrics_port"
             - name: GRIDCOMM_BACKEND
               value: $backend
             # Image pulls and GPU node scale-up can keep a pod pending for minutes.
             - name: GRIDCOMM_TIMEOUT_S
               value: "600"
-            - name: GRIDCOMM_TOKEN
-              valueFrom:
-                secretKeyRef:
-                  name: $name-token
-                  key: token
+            # From the Secret $name-token (volume below). Why a file and an optional volume: a
+            # missing Secret or key then ends the rank with exit code 2 (FailJob at once), where a
+            # secretKeyRef would leave the pod in CreateContainerConfigError until someone looks.
+            - name: GRIDCOMM_TOKEN_FILE
+              value: $token_dir/$token_key
             # A pod left over from an earlier run of the same name cannot join this one.
             - name: GRIDCOMM_JOB_ID
               valueFrom:
@@ -142,9 +203,12 @@ POD = Template("""\
             limits:
               memory: 16Gi
               nvidia.com/gpu: 1
-          # Probes run on the plaintext health port of every rank: startup and liveness ask for the
-          # whole server (""), readiness for the coordinator service, so a rank whose communicator
-          # failed is taken out of service without being restarted in the middle of a report.
+          # Probes run on the plaintext health port of every rank. "" is liveness: SERVING while the
+          # process answers, whatever happened to its peers (a survivor reporting a failure or
+          # writing a checkpoint is not restarted). gridcomm.v1.Coordinator is readiness: SERVING
+          # only while this rank's communicator is up (rank 0 too: not before every rank joined).
+          # The startup probe gives the health port 120 s from container start to answer; train.py
+          # starts it first thing (gridcomm.start_health_server()), before any slow loading.
           startupProbe:
             grpc:
               port: $health_port
@@ -172,12 +236,20 @@ POD = Template("""\
           volumeMounts:
             - name: dshm
               mountPath: /dev/shm
+            - name: token
+              mountPath: $token_dir
+              readOnly: true
       volumes:
         # NCCL moves data between processes through /dev/shm; the runtime's 64 MiB default is too small.
         - name: dshm
           emptyDir:
             medium: Memory
             sizeLimit: 1Gi
+        - name: token
+          secret:
+            secretName: $name-token
+            optional: true
+            defaultMode: 288  # 0440
 """)
 
 JOB = Template("""\
@@ -199,6 +271,11 @@ spec:
   backoffLimit: 3
   # A replacement pod starts only once the old one is gone, so two pods never share a rank's name.
   podReplacementPolicy: Failed
+  # The longest the whole Job may run, pods waiting for a GPU node or an image included; past it
+  # the Job fails with reason DeadlineExceeded. Raise it for longer trainings (--active-deadline-s).
+  activeDeadlineSeconds: $active_deadline_s
+  # The finished Job and its pods (and logs) are deleted a day later; delete it yourself to re-run
+  # under the same name sooner (deploy/README.md).
   ttlSecondsAfterFinished: 86400
   podFailurePolicy:
     rules:
@@ -246,6 +323,10 @@ spec:
       - name: configErrorIsFinal
         action: FailJobSet
         onJobFailureReasons: [PodFailurePolicy]
+      # The run took longer than activeDeadlineSeconds: a restart would only wait as long again.
+      - name: deadlineIsFinal
+        action: FailJobSet
+        onJobFailureReasons: [DeadlineExceeded]
   replicatedJobs:
     - name: $rjob
       replicas: 1
@@ -256,6 +337,7 @@ spec:
           parallelism: $world_size
           # Any other failure fails this Job, and the JobSet restarts every Job.
           backoffLimit: 0
+          activeDeadlineSeconds: $active_deadline_s
           podFailurePolicy:
             rules:
               - action: FailJob
@@ -300,6 +382,8 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit(f"--image {args.image!r} is not an image reference such as 'registry.example.com/app:1.0'.")
     if args.backend not in BACKENDS:
         raise SystemExit(f"--backend {args.backend!r} must be one of {', '.join(BACKENDS)}.")
+    if args.active_deadline_s < 1:
+        raise SystemExit(f"--active-deadline-s {args.active_deadline_s} must be at least 1.")
 
 
 def render(args: argparse.Namespace) -> dict[str, str]:
@@ -309,6 +393,8 @@ def render(args: argparse.Namespace) -> dict[str, str]:
         "name": args.name, "service": args.service, "world_size": args.world_size, "image": args.image,
         "backend": args.backend, "rjob": args.replicated_job, "coordinator_port": COORDINATOR_PORT,
         "health_port": HEALTH_PORT, "exit_config": EXIT_CONFIG_ERROR, "exit_peer": EXIT_PEER_FAILED,
+        "metrics_port": METRICS_PORT, "token_dir": TOKEN_DIR, "token_key": TOKEN_KEY,
+        "active_deadline_s": args.active_deadline_s,
     }
     job_pod = POD.substitute(values, subdomain=f"\n      subdomain: {args.service}",
                              coordinator_host=f"{args.name}-0.{args.service}", extra_env="",
@@ -316,12 +402,17 @@ def render(args: argparse.Namespace) -> dict[str, str]:
     jobset_pod = POD.substitute(values, subdomain="", coordinator_host=f"{args.name}-{args.replicated_job}-0-0.{args.name}",
                                 extra_env=_JOBSET_ENV,
                                 job_id_field="metadata.labels['jobset.sigs.k8s.io/jobset-uid']")
-    return {
-        "service.yaml": SERVICE.substitute(values),
-        "job.yaml": JOB.substitute(values, pod=job_pod),
-        "secret.example.yaml": SECRET.substitute(values),
-        "jobset.yaml": JOBSET.substitute(values, pod=_indent(jobset_pod, 8)),
+    # The JobSet's rank 0 is completion index 0 of its first Job (each Job has an index 0).
+    jobset_rank0 = '\n    jobset.sigs.k8s.io/job-index: "0"'
+    made = {
+        "service": SERVICE.substitute(values),
+        "job": JOB.substitute(values, pod=job_pod),
+        "job_metrics": METRICS_SERVICE.substitute(values, rank0_selector=""),
+        "jobset": JOBSET.substitute(values, pod=_indent(jobset_pod, 8)),
+        "jobset_metrics": METRICS_SERVICE.substitute(values, rank0_selector=jobset_rank0),
+        "servicemonitor": SERVICEMONITOR.substitute(values),
     }
+    return {path: made[what] for path, what in LAYOUT.items()}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -332,8 +423,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--image", default=DEFAULT_IMAGE, help="container image built from deploy/docker/Dockerfile")
     p.add_argument("--backend", default=DEFAULT_BACKEND, help=f"GRIDCOMM_BACKEND (default {DEFAULT_BACKEND})")
     p.add_argument("--replicated-job", default=DEFAULT_REPLICATED_JOB, help="the JobSet's replicatedJob name")
-    p.add_argument("--jobset", action="store_true", help="print the JobSet instead of the Service and Indexed Job")
-    p.add_argument("--out", default=None, help="write every file (service, job, secret example, jobset) into this folder")
+    p.add_argument("--active-deadline-s", type=int, default=DEFAULT_ACTIVE_DEADLINE_S,
+                   help=f"the longest the whole Job may run, pending pods included (default {DEFAULT_ACTIVE_DEADLINE_S}: "
+                        "7 days)")
+    p.add_argument("--jobset", action="store_true", help="print the JobSet (and its metrics Service) instead of the "
+                   "Service and Indexed Job")
+    p.add_argument("--servicemonitor", action="store_true", help="print the Prometheus Operator ServiceMonitor")
+    p.add_argument("--out", default=None, help="write every file into this folder (created if missing): job/, "
+                   "jobset/ and monitoring/, one folder per `kubectl apply -f`")
     return p
 
 
@@ -343,12 +440,20 @@ def main(argv: list[str] | None = None) -> int:
         args.service = args.name
     files = render(args)
     if args.out is not None:
-        for name, text in files.items():
-            with open(os.path.join(args.out, name), "w", encoding="utf-8") as handle:
-                handle.write(text)
+        try:
+            for name, text in files.items():
+                path = os.path.join(args.out, name)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w", encoding="utf-8") as handle:
+                    handle.write(text)
+        except OSError as exc:
+            raise SystemExit(f"--out {args.out!r}: cannot write {exc.filename!r}: {exc.strerror}.") from None
         return 0
-    chosen = ["jobset.yaml"] if args.jobset else ["service.yaml", "job.yaml"]
-    sys.stdout.write("".join(files[name] for name in chosen))
+    if args.servicemonitor:
+        folder = "monitoring/"
+    else:
+        folder = "jobset/" if args.jobset else "job/"
+    sys.stdout.write("".join(text for name, text in files.items() if name.startswith(folder)))
     return 0
 
 

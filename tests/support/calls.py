@@ -128,8 +128,10 @@ def health(channel: grpc.Channel, service: str = "") -> int:
 
 
 def assert_serving(channel: grpc.Channel, serving: bool = True, what: str = "") -> None:
-    want = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for service in ("", SERVICE):
+    """``""`` (the coordinator's liveness: it answers) is SERVING whatever happened to the job;
+    ``SERVICE`` (its readiness) is SERVING iff ``serving`` (no rank failed)."""
+    for service, up in (("", True), (SERVICE, serving)):
+        want = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
         got = health(channel, service)
         assert got == want, (
             f"{what}: health of {service or '(all)'!r} is "

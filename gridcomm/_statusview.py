@@ -1,0 +1,129 @@
+"""``gridcomm status``: the coordinator's view of a job, once or as a live view (``--watch``)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterable, Sequence
+from typing import IO
+
+from gridcomm._client import fetch_status_call
+from gridcomm._errors import GridcommError
+from gridcomm._metrics import RefusedJoin, parse_refusals
+from gridcomm._proto import coordinator_pb2 as pb
+
+_STATES = {1: "joined", 2: "left", 3: "failed"}
+#: Lines a --watch frame may take at most, whatever the terminal says.
+MAX_FRAME_LINES = 60
+#: ANSI: cursor home, clear the screen.
+_CLEAR = "\x1b[H\x1b[2J"
+
+
+def ranges(ranks: Iterable[int], limit: int = 24) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``'0-2, 5, 7-8'``, at most ``limit`` pieces ('-' when empty)."""
+    pieces: list[str] = []
+    values = sorted(ranks)
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        pieces.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        i = j + 1
+    if not pieces:
+        return "-"
+    if len(pieces) > limit:
+        return ", ".join(pieces[:limit]) + f", ... ({len(values)} ranks)"
+    return ", ".join(pieces)
+
+
+def _when(unix_s: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(unix_s)) if unix_s else "?"
+
+
+def _header(reply: pb.StatusResponse) -> str:
+    return (f"job {reply.job_id!r}: {len(reply.members)} of {reply.world_size} ranks joined, generation "
+            f"{reply.generation}, {'SERVING' if reply.serving else 'NOT_SERVING'}, up {reply.uptime_s:.1f} s")
+
+
+def render(reply: pb.StatusResponse, refusals: Sequence[RefusedJoin] = ()) -> list[str]:
+    """The plain report: one line per rank (up to 256), then barriers, failures, refused joins."""
+    lines = [_header(reply)]
+    if reply.missing_ranks:
+        lines.append(f"missing ranks ({len(reply.missing_ranks)}): {list(reply.missing_ranks)[:64]}")
+    for m in list(reply.members)[:256]:
+        lines.append(f"  rank {m.rank:>5}  {_STATES.get(m.state, '?'):<7} {m.hostname}  incarnation {m.incarnation:#018x}")
+    if len(reply.members) > 256:
+        lines.append(f"  ... {len(reply.members) - 256} more")
+    for b in reply.barriers:
+        lines.append(f"barrier {b.name!r} #{b.seq}: {len(b.arrived_ranks)} arrived, waiting {b.waiting_s:.1f} s for "
+                     f"{list(b.missing_ranks)[:32]}")
+    for f in reply.failures:
+        lines.append(f"FAILED rank {f.rank}: {f.reason}")
+    for r in refusals:
+        lines.append(f"REFUSED join: {r.text()}")
+    return lines
+
+
+def render_live(reply: pb.StatusResponse, refusals: Sequence[RefusedJoin], max_lines: int) -> list[str]:
+    """The --watch frame: ranks as ranges by state, pending barriers longest-waiting first with
+    who is late, failures and refused joins; cut to ``max_lines``."""
+    by_state: dict[str, list[int]] = {"joined": [], "left": [], "failed": []}
+    for m in reply.members:
+        by_state.setdefault(_STATES.get(m.state, "?"), []).append(m.rank)
+    lines = [_header(reply),
+             f"  missing  ({len(reply.missing_ranks)}): {ranges(reply.missing_ranks)}",
+             *(f"  {state:<8} ({len(ranks)}): {ranges(ranks)}" for state, ranks in by_state.items())]
+    barriers = sorted(reply.barriers, key=lambda b: -b.waiting_s)
+    lines.append(f"pending barriers: {len(barriers)}")
+    for b in barriers[:10]:
+        lines.append(f"  {b.name!r} #{b.seq}: waiting {b.waiting_s:.1f} s; late ({len(b.missing_ranks)}): "
+                     f"{ranges(b.missing_ranks, 12)}; arrived {len(b.arrived_ranks)}")
+    if len(barriers) > 10:
+        lines.append(f"  ... {len(barriers) - 10} more")
+    lines.append(f"failures: {len(reply.failures)}")
+    for f in reply.failures[:8]:
+        lines.append(f"  rank {f.rank} at {_when(f.at_unix_s)}: {f.reason[:160]}")
+    if refusals:
+        lines.append(f"refused joins (latest {len(refusals)}):")
+        lines.extend(f"  {r.text()[:200]}" for r in refusals[-4:])
+    if len(lines) > max_lines:
+        lines = lines[: max_lines - 1] + [f"... ({len(lines) - max_lines + 1} lines cut; widen the terminal)"]
+    return lines
+
+
+def show(host: str, port: int, timeout_s: float, out: IO[str]) -> int:
+    """One report (``gridcomm status``)."""
+    reply, trailing = fetch_status_call(host, port, timeout_s=timeout_s)
+    out.write("\n".join(render(reply, parse_refusals(trailing))) + "\n")
+    return 0
+
+
+def watch(host: str, port: int, interval_s: float, count: int | None, timeout_s: float, out: IO[str]) -> int:
+    """Redraws the live view every ``interval_s`` (``count`` frames, or until Ctrl-C: exit 130).
+    An unreachable coordinator is shown, not fatal: the view goes on trying."""
+    tty = out.isatty()
+    target = f"{host}:{port}"
+    frames = 0
+    try:
+        while count is None or frames < count:
+            began = time.monotonic()
+            rows = shutil.get_terminal_size((100, MAX_FRAME_LINES + 2)).lines if tty else MAX_FRAME_LINES + 2
+            max_lines = max(5, min(MAX_FRAME_LINES, rows - 2))
+            try:
+                reply, trailing = fetch_status_call(host, port, timeout_s=min(timeout_s, max(1.0, interval_s)))
+                lines = render_live(reply, parse_refusals(trailing), max_lines)
+            except GridcommError as exc:
+                lines = [f"{target}: no answer: {exc}", "(still trying)"]
+            stamp = f"gridcomm status {target}  {time.strftime('%H:%M:%S')}  every {interval_s:g} s; Ctrl-C ends"
+            out.write((_CLEAR if tty else "") + "\n".join([stamp, *lines]) + "\n" + ("" if tty else "\n"))
+            out.flush()
+            frames += 1
+            if count is not None and frames >= count:
+                break
+            time.sleep(max(0.0, interval_s - (time.monotonic() - began)))
+    except KeyboardInterrupt:
+        out.write("\n")
+        out.flush()
+        return 130
+    return 0
