@@ -666,7 +666,9 @@ def markdown(report: dict[str, Any]) -> str:
             for key in ("t1_s", "t2_s", "cpu_per_op_us"):
                 mine = cells.get((world, "gridcomm"), {}).get(key)
                 theirs = cells.get((world, other), {}).get(key)
-                ratios.append(f"{statistics.median(mine) / statistics.median(theirs):.2f}x" if mine and theirs else "–")
+                # Why the > 0: a server's CPU over a short run can read 0 ticks.
+                ratios.append(f"{statistics.median(mine) / statistics.median(theirs):.2f}x"
+                              if mine and theirs and statistics.median(theirs) > 0 else "–")
         ratio_rows.append("| " + " | ".join(ratios) + " |")
     lines += ["", "Ratios of medians (below 1.00x: gridcomm is faster):", "",
               "| N | T1 gridcomm/torch | T2 gridcomm/torch | server CPU gridcomm/torch | T1 gridcomm/JAX "
@@ -738,18 +740,18 @@ def section(report: dict[str, Any], png: str | None) -> str:
         "",
         "gridcomm's coordinator against `torch.distributed.TCPStore` (libuv server), JAX's coordination "
         "service (jaxlib's distributed runtime) and cupyx's store, one harness, peers interleaved per "
-        "repetition. Ranks are OS processes up to 128, above that 32 processes of N/32 threads; every rank "
-        "has its own client object; torch, JAX and cupyx open a connection per client, while gridcomm's "
-        "clients of one process share one Session stream and connection (its default, GRIDCOMM_SESSION="
-        "process; the library does the same for the ranks of one process in any job); each server runs in "
-        "a process of its own. *connect*: from a "
+        "repetition. Ranks are OS processes up to 128 (`--process-per-rank-max`), above that 32 processes "
+        "of N/32 threads; every rank has its own client and its own connection, as a pod would (gridcomm: "
+        "`session=\"client\"`, a Session stream per rank; see \"Deployment shapes\" in DESIGN.md); each "
+        "server runs in a process of its own. *connect*: from a "
         "common start until every client is connected (gridcomm's join and JAX's connect wait for all ranks; "
         "torch's constructor opens a socket; cupyx has no connect step). *T1*: from every client ready until "
         "every rank holds a 128-byte blob published by rank 0 (cupyx: set, barrier, get, as NCCLBackend does). "
-        "*T2*: mean of 20 consecutive barriers after that (torch: `add` on a fresh counter, the last arrival "
-        "sets a key all `wait` for). Server figures: peak RSS (VmHWM) with the RSS after start in brackets, "
+        "*T2*: mean of 20 consecutive barriers after that (torch: its native `TCPStore.barrier`). Server "
+        "figures: peak RSS (VmHWM) with the RSS after start in brackets, "
         f"RSS change over {report['runs'][0].get('idle_s', 0) if report['runs'] else 0:g} s idle with every "
-        "client connected, and CPU seconds from start to the last barrier.",
+        "client connected, CPU seconds from start to the last barrier, and that CPU per rank-operation "
+        "(each rank's join, blob and barriers).",
         "",
         f"gridcomm's figures are from commit **{listed(report['gridcomm'])}**; the speed attempts that led "
         "there are recorded below the section.",

@@ -167,8 +167,9 @@ class GuardedServer:
         backoff = POLL_S
         started = time.monotonic()
         while not self._stopping:
-            server, port = self._bind(target)
-            if port:
+            # Asked first, so that gRPC's own error line is not printed for every try.
+            server, port = self._bind(target) if bind_problem(target) is None else (None, 0)
+            if server is not None and port:
                 await server.start()
                 self._server, self.accepting = server, True
                 self.restarts += 1
