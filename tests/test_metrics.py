@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import gridcomm
-from tests.conftest import ROOT, RankProcesses, report
+from tests.support.procs import ROOT, RankProcesses, report
 from tests.support.ranks import Rank, free_port, kill_all, serving
 
 ENV = dict(os.environ, PYTHONPATH=ROOT)

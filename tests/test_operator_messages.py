@@ -17,7 +17,7 @@ import time
 import pytest
 
 import gridcomm
-from tests.conftest import ROOT, RankProcesses, report
+from tests.support.procs import ROOT, RankProcesses, report
 from tests.support.ranks import free_port, serving
 
 ENV = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")

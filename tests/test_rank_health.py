@@ -17,7 +17,7 @@ import pytest
 
 from gridcomm import GridcommError
 from gridcomm._client import fetch_status
-from tests.conftest import ROOT
+from tests.support.procs import ROOT
 from tests.support.ranks import LIVENESS, READINESS, Rank, check, free_port, kill_all, observe, wait_status
 
 HEARTBEAT_S = 2.0

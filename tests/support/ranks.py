@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.conftest import ROOT
+from tests.support.procs import ROOT
 
 READINESS = "gridcomm.v1.Coordinator"
 LIVENESS = ""
