@@ -238,16 +238,14 @@ class CoordinatorClient:
             self._op("set", pb.SetRequest(caller=self.caller, key=key, value=bytes(value)), what, SHORT_CALL_S)
             return
         # Why unary: a Session message carries several operations, and the coordinator reads no
-        # message larger than a chunk. A value larger than a chunk travels in pieces.
+        # message larger than a chunk. A value larger than a chunk travels in pieces (total_bytes
+        # says so; 0 means the one message is the whole value).
         view = memoryview(value).cast("B")
         total = len(view)
-        if total <= CHUNK_BYTES:
-            self._call(self._stub.Set, pb.SetRequest(caller=self.caller, key=key, value=bytes(view)), what,
-                       SHORT_CALL_S + total / 50e6)
-            return
+        pieces = total if total > CHUNK_BYTES else 0
         for offset in range(0, total, CHUNK_BYTES):
             piece = bytes(view[offset : offset + CHUNK_BYTES])
-            self._call(self._stub.Set, pb.SetRequest(caller=self.caller, key=key, value=piece, total_bytes=total,
+            self._call(self._stub.Set, pb.SetRequest(caller=self.caller, key=key, value=piece, total_bytes=pieces,
                                                      offset=offset), what, SHORT_CALL_S + len(piece) / 50e6)
 
     def _whole(self, key: str, response: pb.GetResponse) -> bytes:

@@ -21,7 +21,7 @@ from gridcomm._eventloop import drop_late_grpc_events
 from gridcomm._guard import MAX_METADATA_BYTES, BoundedHealth, GuardedServer, health_server_options
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._rendezvous import JobState, Limits
-from gridcomm._servicer import UNDECODABLE, Abort, Servicer, status_of
+from gridcomm._servicer import UNDECODABLE, Abort, Servicer, refuse
 from gridcomm._stream import ServerSession
 from gridcomm._wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, SERVICE_NAME
 
@@ -83,21 +83,13 @@ def _parser(message_type: Any) -> Callable[[bytes], Any]:
     return parse
 
 
-async def _refuse(context: grpc.aio.ServicerContext, name: str, exc: Exception) -> None:
-    """Answers a refused or failed call with a status and a readable message; always raises."""
-    if isinstance(exc, grpc.aio.AbortError):
-        raise exc
-    code, text, metadata = status_of(name, exc)
-    await context.abort(code, text, trailing_metadata=metadata)
-
-
 async def _admit(servicer: Servicer, context: grpc.aio.ServicerContext, name: str) -> None:
     """Checks the call's token on its headers; a refused call is answered (and this raises)."""
     servicer.metrics.watch_call(context, name)  # counted by method and code when the call ends
     try:
         servicer.authenticate(context, name)
     except Exception as exc:  # noqa: BLE001 - refused with a status, never a crash
-        await _refuse(context, name, exc)
+        await refuse(context, name, exc)
 
 
 async def _read_request(context: grpc.aio.ServicerContext, name: str) -> Any:
@@ -115,7 +107,7 @@ def _unary(servicer: Servicer, name: str, operation: Callable[[Servicer, Any, fl
         try:
             return await operation(servicer, await _read_request(context, name), servicer.deadline_of(context))
         except Exception as exc:  # noqa: BLE001 - the coordinator must survive any request
-            await _refuse(context, name, exc)
+            await refuse(context, name, exc)
     return handle
 
 

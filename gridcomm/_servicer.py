@@ -68,6 +68,14 @@ def status_of(name: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple[tu
     return grpc.StatusCode.INTERNAL, details(f"{name} failed inside the coordinator: {exc!r}"), ()
 
 
+async def refuse(context: grpc.aio.ServicerContext, name: str, exc: Exception) -> None:
+    """Answers a refused or failed call with a status and a readable message; always raises."""
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    code, text, metadata = status_of(name, exc)
+    await context.abort(code, text, trailing_metadata=metadata)
+
+
 def _bounded(ranks: list[int], shown: int = 16) -> str:
     if len(ranks) <= shown:
         return str(ranks)

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from gridcomm._proto import coordinator_pb2 as pb
-from gridcomm._servicer import UNDECODABLE, Abort, Servicer, status_of
+from gridcomm._servicer import UNDECODABLE, Abort, Servicer, refuse, status_of
 
 #: What a Session operation runs: the operation of its unary RPC.
 OPERATIONS: dict[str, Callable[[Servicer, Any, float | None], Awaitable[Any]]] = {
@@ -71,8 +71,7 @@ class ServerSession:
                 await asyncio.wait_for(writer, 5.0)
             except BaseException:  # noqa: BLE001 - a writer that fails or hangs: abort anyway
                 pass
-            code, text, metadata = status_of("Session", exc)
-            await self._context.abort(code, text, trailing_metadata=metadata)
+            await refuse(self._context, "Session", exc)
         finally:
             for task in list(self._tasks):
                 task.cancel()
