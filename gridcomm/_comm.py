@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gridcomm._client import SHORT_CALL_S, CoordinatorClient
@@ -38,11 +38,13 @@ COLLECTIVES = ("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gathe
 
 
 def build_backend(kind: str, client: CoordinatorClient, name: str, rank: int, size: int, *,
-                  plane: PlaneConfig | None = None, participants: Sequence[int] = ()) -> Any:
+                  plane: PlaneConfig | None = None, participants: Sequence[int] = (),
+                  failed: Callable[[], BaseException | None] = lambda: None) -> Any:
     """Creates this rank's backend for communicator ``name``; for NCCL, its rank 0 makes the unique
     ID (the NCCL bootstrap root lives in the creating process) and the others fetch it. The host
     backend publishes its data-plane address (``plane``) and waits, with the ``participants``
-    (job ranks; empty: all), until every member has."""
+    (job ranks; empty: all), until every member has. ``failed()`` returns the failure this rank's
+    watcher has seen (or None): a backend that waits for its peers gives up when it is set."""
     if kind == "host":
         from gridcomm._host import HostBackend
 
@@ -52,13 +54,7 @@ def build_backend(kind: str, client: CoordinatorClient, name: str, rank: int, si
         return HostBackend(client, name, rank, size, config=plane, participants=participants)
     from gridcomm import _nccl
 
-    key = f"{name}/nccl-unique-id"
-    if rank == 0:
-        unique_id = _nccl.new_unique_id()
-        client.set(key, unique_id)
-    else:
-        unique_id = client.get(key)
-    return _nccl.NcclBackend(size, rank, unique_id)
+    return _nccl.connect(client, name, rank, size, failed=failed)
 
 
 class FailureLatch:

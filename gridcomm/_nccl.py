@@ -63,6 +63,21 @@ def require_gpu() -> None:
                           "GRIDCOMM_BACKEND sets either.")
 
 
+def connect(client: Any, name: str, rank: int, size: int, *,
+            failed: Callable[[], BaseException | None] = lambda: None) -> NcclBackend:
+    """This rank's NCCL communicator ``name`` of ``size`` ranks: its rank 0 makes the unique ID (the
+    NCCL bootstrap root lives in the creating process) and publishes it through ``client`` (a
+    CoordinatorClient: ``set``/``get``); the others fetch it. ``failed()``: a peer's failure seen
+    by this rank's watcher, or None."""
+    key = f"{name}/nccl-unique-id"
+    if rank == 0:
+        unique_id = new_unique_id()
+        client.set(key, unique_id)
+    else:
+        unique_id = client.get(key)
+    return NcclBackend(size, rank, unique_id)
+
+
 def new_unique_id() -> bytes:
     """A fresh NCCL unique ID as 128 bytes (the bootstrap root lives in this process)."""
     _, nccl = _load()
