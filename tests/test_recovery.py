@@ -22,6 +22,7 @@ import pytest
 
 import gridcomm
 from tests.support.procs import RankProcesses, report, wait_for
+from tests.support.ranks import LIVENESS, READINESS, check, free_port, wait_status
 
 HB = 2.0
 WORLD = 4
@@ -104,12 +105,13 @@ def lines(text: str, tag: str) -> list[dict[str, Any]]:
 class Run:
     """The job's first processes plus the replacements the test starts (by rank)."""
 
-    def __init__(self, server: gridcomm.Coordinator, **env: str) -> None:
+    def __init__(self, server: gridcomm.Coordinator, per_rank_env: dict[int, dict[str, str]] | None = None,
+                 **env: str) -> None:
         self.server = server
         self.env = {"GRIDCOMM_COORDINATOR": "external", "GRIDCOMM_HOST": "127.0.0.1",
                     "GRIDCOMM_PORT": str(server.port), "GRIDCOMM_HEARTBEAT_TIMEOUT_S": f"{HB:g}",
                     "GRIDCOMM_BACKEND": "host", **env}
-        self.first = RankProcesses(RANK_CODE, WORLD, env=self.env)
+        self.first = RankProcesses(RANK_CODE, WORLD, env=self.env, per_rank_env=per_rank_env)
         self.replacements: list[RankProcesses] = []
         self.results: dict[str, Any] = {}
 
@@ -136,9 +138,9 @@ class Run:
 def run(coordinator_factory):
     made: list[Run] = []
 
-    def make(**env: str) -> Run:
+    def make(per_rank_env: dict[int, dict[str, str]] | None = None, **env: str) -> Run:
         server = coordinator_factory(WORLD, heartbeat_timeout_s=HB)
-        made.append(Run(server, **env))
+        made.append(Run(server, per_rank_env, **env))
         return made[-1]
 
     yield make
@@ -186,6 +188,26 @@ def test_rebuild_a_replacement_joins_and_everyone_finishes_20_checked_steps(run)
     assert joined["generation"] == 1 and resumed["step"] == 5, everything
     print(f"\nrebuild: death of rank 2 to the first good step of generation 1: "
           f"{recovery_time(first, first[2].stdout, [0, 1, 3]):.2f} s (replacement started 1 s after the death)")
+
+
+@pytest.mark.timeout(150)
+def test_readiness_goes_down_at_the_failure_and_up_when_the_rebuild_completes(run):
+    port = free_port()
+    job = run({0: {"GRIDCOMM_HEALTH_PORT": str(port)}}, RECOVERY="rebuild", DIE_RANK="2", STEP_SLEEP_S="0.1")
+    wait_status(port, READINESS, "SERVING", 40)
+    job.died(2)
+    seen_dead = time.monotonic()
+    down_after = wait_status(port, READINESS, "NOT_SERVING", 10) - seen_dead
+    assert check(port, LIVENESS) == "SERVING"  # a survivor is not killed by its liveness probe
+    job.replace(2)  # only now: readiness stays down until the recovery completes
+    replaced = time.monotonic()
+    up_after = wait_status(port, READINESS, "SERVING", 40) - replaced
+    first, (again,) = job.wait(120)
+    everything = report(first) + report(again)
+    check_finished(first, [0, 1, 3], [0, 1, 2, 3], 1, everything)
+    check_finished(again, [2], [0, 1, 2, 3], 1, everything)
+    print(f"\nrank 0's readiness: NOT_SERVING {down_after:.2f} s after the death was seen, SERVING again "
+          f"{up_after:.2f} s after the replacement started")
 
 
 @pytest.mark.timeout(150)
@@ -291,3 +313,57 @@ c.close()
         (error,) = lines(results[rank].stdout, "ERROR")
         assert error["kind"] == "RankFailedError" and error["rank"] == 3, everything
         assert error["at"] - death["at"] < HB + 5.0, everything  # the liveness bound + 5 s
+
+
+@pytest.mark.timeout(90)
+def test_split_children_close_with_the_old_generation_and_the_new_one_splits_again(coordinator_factory):
+    server = coordinator_factory(3, heartbeat_timeout_s=HB)
+    code = r"""
+import json, os, signal, time
+import numpy as np
+import gridcomm
+rank = int(os.environ["GRIDCOMM_RANK"])
+comm = gridcomm.init_process_group(3, rank, backend="host", timeout_s=60)
+child = comm.split(color=0)
+x = np.ones(4)
+child.all_reduce(x, x)
+assert x[0] == 3.0
+if rank == 2:
+    os.kill(os.getpid(), signal.SIGKILL)
+out = {}
+try:
+    child.all_reduce(x, x)
+except gridcomm.RankFailedError as exc:
+    out["child_error"] = exc.rank
+try:
+    child.rebuild()
+except gridcomm.ConfigError as exc:
+    out["child_rebuild"] = "split the new one again" in str(exc)
+new = comm.shrink(timeout_s=30)
+try:
+    child.all_reduce(x, x)
+except gridcomm.GridcommError as exc:
+    out["old_child_after"] = type(exc).__name__
+try:
+    comm.barrier()
+except gridcomm.GridcommError as exc:
+    out["old_comm_after"] = type(exc).__name__
+again = new.split(color=0)
+y = np.full(4, rank + 1.0)
+again.all_reduce(y, y)
+out.update(sum=float(y[0]), members=list(new.members), generation=new.generation, child_members=list(again.members))
+print("OUT", json.dumps(out), flush=True)
+comm.stop()  # stops the communicator that replaced it (the job's part of this rank ends)
+"""
+    env = {"GRIDCOMM_COORDINATOR": "external", "GRIDCOMM_HOST": "127.0.0.1", "GRIDCOMM_PORT": str(server.port),
+           "GRIDCOMM_HEARTBEAT_TIMEOUT_S": f"{HB:g}"}
+    results = RankProcesses(code, 3, env=env).wait(60)
+    everything = report(results)
+    for rank in (0, 1):
+        assert results[rank].returncode == 0, everything
+        (out,) = lines(results[rank].stdout, "OUT")
+        assert out["child_error"] == 2 and out["child_rebuild"] is True, everything
+        assert out["old_child_after"] == "RankFailedError" and out["old_comm_after"] == "CommAborted", everything
+        assert out["sum"] == 3.0 and out["members"] == [0, 1] and out["child_members"] == [0, 1], everything
+        assert out["generation"] == 1, everything
+    assert server.wait_all_left(10.0)
