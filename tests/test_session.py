@@ -250,7 +250,8 @@ def test_join_set_get_and_20_barriers_of_8_ranks(coordinator_factory, mode):
         # watcher's (two). Counted before the Status call below, whose own connection can still
         # be open on the server's side for a moment after the call (seen once in about 50 runs
         # of make test: one connection more in mode "off").
-        assert server_connections(server.port) == (world if mode == "client" else 2 * world)
+        want = world if mode == "client" else 2 * world
+        wait_for(lambda: server_connections(server.port) == want, f"{want} connections", timeout_s=5.0)
         assert pending_barrier(server.port, "loop") is None
         on_threads(lambda c: c.leave(), ranks)
     assert server.wait_all_left(5.0)
@@ -392,8 +393,10 @@ def test_the_last_client_to_close_closes_the_connection(coordinator_factory, mod
     try:
         with clients(server.port, 4, mode) as ranks:
             on_threads(lambda c: c.join(), ranks)
-            # Mode "off": the unary channel and the watcher's; "client": the one both share.
-            assert server_connections(server.port) == (4 if mode == "client" else 8)
+            # Mode "off": the unary channel and the watcher's; "client": the one both share. (The
+            # watcher dials from the background loop as join returns: waited for, not assumed.)
+            want = 4 if mode == "client" else 8
+            wait_for(lambda: server_connections(server.port) == want, f"{want} connections", timeout_s=5.0)
             for c in ranks:
                 c.leave()
 
