@@ -114,7 +114,12 @@ class Watcher:
                 generation = client.generation
                 request = pb.HeartbeatRequest(caller=client.caller, wait_s=interval)
                 try:
-                    reply = await stub.Heartbeat(request, timeout=interval + 1.0, metadata=client.metadata)
+                    # Why a deadline well past the server's answer (at ``interval``): a call the
+                    # client gives up on is cancelled on the server, which reads a dropped heartbeat
+                    # as a dead process after its short grace. An overloaded but live rank (256
+                    # processes on 2 cores, make bench) was failed that way with ``interval + 1``.
+                    reply = await stub.Heartbeat(request, timeout=interval + max(1.0, timeout_s / 2),
+                                                 metadata=client.metadata)
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
                     if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
