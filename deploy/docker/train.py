@@ -232,6 +232,10 @@ def _settings() -> dict[str, Any]:
     if settings["recovery"] != "off" and settings["checkpoint_dir"] is None:
         raise gridcomm.ConfigError(f"TRAIN_RECOVERY={settings['recovery']} needs TRAIN_CHECKPOINT_DIR: a folder every "
                                    "pod sees, to resume from after a recovery.")
+    if settings["recovery"] != "off" and not hasattr(gridcomm.Communicator, settings["recovery"]):
+        raise gridcomm.ConfigError(f"TRAIN_RECOVERY={settings['recovery']}: gridcomm {gridcomm.__version__} has no "
+                                   f"Communicator.{settings['recovery']}(); use a gridcomm with recovery in place, or "
+                                   "TRAIN_RECOVERY=off.")
     if settings["checkpoint_every"] < 1:
         raise gridcomm.ConfigError(f"TRAIN_CHECKPOINT_EVERY={settings['checkpoint_every']} must be at least 1.")
     return settings
