@@ -58,6 +58,7 @@ def variants(raw: Any, backend: Any, comm: Any, x: Any, y: Any) -> dict[str, Cal
                       stream().ptr if stream_arg is None else stream_arg.ptr)
 
     by_op = backend._reduce_by_id
+    ar, c = backend._nccl_all_reduce, backend._c
 
     def table(in_array: Any, out_array: Any, op: str = "sum", stream_arg: Any = None) -> None:
         nccl_type, mult, code = by_op[op][id(in_array.dtype)]
@@ -79,6 +80,8 @@ def variants(raw: Any, backend: Any, comm: Any, x: Any, y: Any) -> dict[str, Cal
         "forward+table": lambda: table(x, y, "sum"),
         "forward+attrs": lambda: attrs(x, y, "sum"),
         "backend": lambda: backend.all_reduce(x, y, "sum"),
+        # The engine's own call on gridcomm's communicator (nccl4py: nccl.bindings.nccl.all_reduce).
+        f"raw-{backend.engine}": lambda: ar(x.data.ptr, y.data.ptr, x.size, F32, SUM, c, stream().ptr),
     }
     if comm is not None:
         out["gridcomm"] = lambda: comm.all_reduce(x, y, "sum")

@@ -204,7 +204,7 @@ class Bench:
         sends = rank % 2 == 0
         out: dict[str, Callable[[], Any]] = {"raw": self._raw_call(raw, op, x, y, peer, sends)}
         if "rawgc" in peers:  # raw calls on gridcomm's own communicator (tells call path from communicator)
-            out["rawgc"] = self._raw_call(comm._backend._comm, op, x, y, peer, sends)
+            out["rawgc"] = self._raw_engine_call(comm._backend, op, x, y, peer, sends)
         out["gridcomm"] = self._api_call(comm, op, x, y, count, peer, sends)
         if "cupyx" in peers and cx is not None:
             out["cupyx"] = self._api_call(cx, op, x, y, count, peer, sends)
@@ -251,6 +251,36 @@ class Bench:
         if sends:
             return lambda: raw.send(x.data.ptr, x.size, F32, peer, stream().ptr)
         return lambda: raw.recv(y.data.ptr, y.size, F32, peer, stream().ptr)
+
+    @staticmethod
+    def _raw_engine_call(backend: Any, op: str, x: Any, y: Any, peer: int, sends: bool) -> Callable[[], Any]:
+        """``op`` written by hand on gridcomm's own communicator, through its engine's per-call
+        function (nccl4py's nccl.bindings.nccl.*, or CuPy's method): the call path without gridcomm's."""
+        stream, c = cupy.cuda.get_current_stream, backend._c
+        if op == "all_reduce":
+            ar = backend._nccl_all_reduce
+            return lambda: ar(x.data.ptr, y.data.ptr, x.size, F32, nccl.NCCL_SUM, c, stream().ptr)
+        if op == "broadcast":
+            bc = backend._nccl_broadcast
+            return lambda: bc(x.data.ptr, x.data.ptr, x.size, F32, 0, c, stream().ptr)
+        if op == "all_gather":
+            ag = backend._nccl_all_gather
+            return lambda: ag(x.data.ptr, y.data.ptr, x.size, F32, c, stream().ptr)
+        send, recv, start, end = backend._nccl_send, backend._nccl_recv, backend._group_start, backend._group_end
+        if op == "send_recv":
+            def raw_send_recv() -> None:
+                s = stream().ptr
+                start()
+                try:
+                    send(x.data.ptr, x.size, F32, peer, c, s)
+                    recv(y.data.ptr, y.size, F32, peer, c, s)
+                finally:
+                    end()
+
+            return raw_send_recv
+        if sends:
+            return lambda: send(x.data.ptr, x.size, F32, peer, c, stream().ptr)
+        return lambda: recv(y.data.ptr, y.size, F32, peer, c, stream().ptr)
 
     def _torch_call(self, op: str, count: int, out_count: int, peer: int, sends: bool) -> Callable[[], Any] | None:
         torch = self.torch

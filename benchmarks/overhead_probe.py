@@ -1,8 +1,8 @@
 """Where gridcomm's per-call Python time goes (device machine).
 
 1. Each step of a fast path timed alone (attribute reads, lookups).
-2. Each collective's whole gridcomm call against the same call written by hand on raw
-   ``NcclCommunicator`` arguments, with NCCL itself replaced by a no-op stub on both sides: the
+2. Each collective's whole gridcomm call against the same call written by hand with raw NCCL
+   arguments (the backend engine's per-call shape), NCCL itself replaced by a no-op on both sides: the
    difference is what gridcomm adds per call (a real one-rank communicator is built first, so the
    tables are the real ones).
 """
@@ -52,28 +52,17 @@ for name, stmt in steps.items():
         print(f"{name:<42} failed: {exc!r}")
 
 
-class Stub:
-    """NcclCommunicator's per-call methods, doing nothing."""
-
-    def allReduce(self, *args):  # noqa: N802 - NCCL's names
-        pass
-
-    def broadcast(self, *args):
-        pass
-
-    def allGather(self, *args):  # noqa: N802
-        pass
-
-    def send(self, *args):
-        pass
-
-    def recv(self, *args):
-        pass
+def nop(*args):
+    """NCCL's per-call functions (the backend's engine shape: comm before the stream), doing nothing."""
 
 
 backend = gridcomm_nccl.NcclBackend(1, 0, gridcomm_nccl.new_unique_id())
-real = backend._comm
-stub = backend._comm = Stub()
+print(f"engine: {backend.engine}")
+STUBBED = ("_nccl_all_reduce", "_nccl_broadcast", "_nccl_all_gather", "_nccl_send", "_nccl_recv")
+real = {name: getattr(backend, name) for name in STUBBED}
+for name in STUBBED:
+    setattr(backend, name, nop)
+c = backend._c
 backend.world_size = 2  # the stub never talks to a peer: lets send/recv name rank 1
 y2 = cupy.empty(2, dtype=cupy.float32)
 F32, SUM, stream = nccl.NCCL_FLOAT32, nccl.NCCL_SUM, cupy.cuda.get_current_stream
@@ -83,21 +72,21 @@ def raw_send_recv() -> None:
     s = stream().ptr
     nccl.groupStart()
     try:
-        stub.send(x.data.ptr, x.size, F32, 1, s)
-        stub.recv(y.data.ptr, y.size, F32, 1, s)
+        nop(x.data.ptr, x.size, F32, 1, c, s)
+        nop(y.data.ptr, y.size, F32, 1, c, s)
     finally:
         nccl.groupEnd()
 
 
 cases = {
     "all_reduce": (lambda: backend.all_reduce(x, y, "sum"),
-                   lambda: stub.allReduce(x.data.ptr, y.data.ptr, x.size, F32, SUM, stream().ptr)),
+                   lambda: nop(x.data.ptr, y.data.ptr, x.size, F32, SUM, c, stream().ptr)),
     "broadcast": (lambda: backend.broadcast(x, 0),
-                  lambda: stub.broadcast(x.data.ptr, x.data.ptr, x.size, F32, 0, stream().ptr)),
+                  lambda: nop(x.data.ptr, x.data.ptr, x.size, F32, 0, c, stream().ptr)),
     "all_gather": (lambda: backend.all_gather(x, y2, 1),
-                   lambda: stub.allGather(x.data.ptr, y2.data.ptr, x.size, F32, stream().ptr)),
-    "send": (lambda: backend.send(x, 1), lambda: stub.send(x.data.ptr, x.size, F32, 1, stream().ptr)),
-    "recv": (lambda: backend.recv(y, 1), lambda: stub.recv(y.data.ptr, y.size, F32, 1, stream().ptr)),
+                   lambda: nop(x.data.ptr, y2.data.ptr, x.size, F32, c, stream().ptr)),
+    "send": (lambda: backend.send(x, 1), lambda: nop(x.data.ptr, x.size, F32, 1, c, stream().ptr)),
+    "recv": (lambda: backend.recv(y, 1), lambda: nop(y.data.ptr, y.size, F32, 1, c, stream().ptr)),
     "send_recv": (lambda: backend.send_recv(x, y, 1), raw_send_recv),
 }
 print("\n## whole calls, NCCL stubbed out (ns per call; best of 5 x 200k)")
@@ -110,13 +99,13 @@ for name, (grid, raw) in cases.items():
 group_pair = best(lambda: (nccl.groupStart(), nccl.groupEnd()))
 print(f"\ngroupStart()+groupEnd() alone: {group_pair * 1e9:.0f} ns; Python threads: {threading.active_count()}")
 real_group = backend._group_start, backend._group_end
-backend._group_start = backend._group_end = Stub.send.__get__(stub)  # a no-op callable
+backend._group_start = backend._group_end = nop
 
 
 def raw_send_recv_nogroup() -> None:
     s = stream().ptr
-    stub.send(x.data.ptr, x.size, F32, 1, s)
-    stub.recv(y.data.ptr, y.size, F32, 1, s)
+    nop(x.data.ptr, x.size, F32, 1, c, s)
+    nop(y.data.ptr, y.size, F32, 1, c, s)
 
 
 for label, fn in (("raw, groups stubbed", raw_send_recv_nogroup),
@@ -125,6 +114,7 @@ for label, fn in (("raw, groups stubbed", raw_send_recv_nogroup),
     print(f"send_recv {label:<30}{best(fn) * 1e9:8.0f} ns")
 backend._group_start, backend._group_end = real_group
 print(f"send_recv {'gridcomm (again, real groups)':<30}{best(lambda: backend.send_recv(x, y, 1)) * 1e9:8.0f} ns")
-backend._comm = real
+for name, fn in real.items():
+    setattr(backend, name, fn)
 backend.world_size = 1
 backend.destroy()

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 from gridcomm import _cluster, _config, _health
 from gridcomm._client import CoordinatorClient
-from gridcomm._comm import Communicator, FailureLatch, build_backend
+from gridcomm._comm import Communicator, build_backend
 from gridcomm._errors import ConfigError, GridcommError
-from gridcomm._liveness import Watcher
+from gridcomm._health import ProcessHealth
 from gridcomm._p2p import PlaneConfig, local_address
 from gridcomm._server import Coordinator
 
@@ -55,64 +56,126 @@ def init_process_group(
     """
     if use_mpi:
         raise ConfigError("use_mpi=True is not supported: gridcomm's rendezvous replaces MPI; drop the argument.")
-    info = None
-    if n_devices is None or rank is None or host is None:
-        # Why: what the caller did not pass comes from the environment's detector (gridcomm
-        # launch, torchrun, Kubeflow, JobSet, Indexed Job), which also derives rank 0's name.
+    job = Job.configure(n_devices, rank, backend=backend, host=host, port=port, timeout_s=timeout_s, token=token)
+    return job.start()
+
+
+@dataclasses.dataclass
+class Job:
+    """One rank's part in a job, across its generations: the settings resolved once at
+    ``init_process_group``, the client that joined, and what the rank hosts (the embedded
+    coordinator, the health port). :meth:`start` makes generation 1's communicator; a
+    communicator's ``rebuild``/``shrink`` come back here for the next generation's."""
+
+    world_size: int
+    rank: int
+    kind: str
+    dial_host: str
+    dial_port: int
+    token: str | None
+    tls: _config.TlsFiles | None
+    wait_s: float
+    #: The address the data plane publishes is found on the route to this host.
+    route_host: str
+    embedded: bool
+    health: ProcessHealth | None = None
+    coordinator: Coordinator | None = None
+    client: CoordinatorClient | None = None
+
+    @classmethod
+    def configure(cls, n_devices: int | None, rank: int | None, *, backend: str | None, host: str | None,
+                  port: int | None, timeout_s: float | None, token: str | None) -> Job:
+        """Resolves arguments and environment (an explicit argument wins); starts nothing."""
+        info = None
+        if n_devices is None or rank is None or host is None:
+            # Why: what the caller did not pass comes from the environment's detector (gridcomm
+            # launch, torchrun, Kubeflow, JobSet, Indexed Job), which also derives rank 0's name.
+            try:
+                info = _cluster.detect()
+            except ConfigError:
+                if n_devices is None or rank is None:
+                    raise
+        world_size = _config.world_size(n_devices if n_devices is not None or info is None else info.world_size)
+        my_rank = _config.rank(rank if rank is not None or info is None else info.rank, world_size)
+        kind = resolve_backend(backend)
+        if info is not None and host is None:
+            host = info.host
+            port = info.port if port is None else port
+        dial_host, dial_port = _config.coordinator_address(host, port)
+        if info is not None:
+            log.info("rank %d of %d (from %s); coordinator %s:%d", my_rank, world_size, info.source, dial_host,
+                     dial_port)
+        return cls(world_size=world_size, rank=my_rank, kind=kind, dial_host=dial_host, dial_port=dial_port,
+                   token=_config.token(token), tls=_config.tls(), wait_s=_config.timeout_s(timeout_s),
+                   route_host=dial_host, embedded=_config.coordinator_mode() == "embedded")
+
+    def start(self) -> Communicator:
+        """Joins (rank 0 first starts the embedded coordinator) and builds this rank's communicator."""
+        started = time.monotonic()
+        # Up before the rendezvous (or earlier: start_health_server), so kubelet's liveness probe
+        # passes while ranks gather; readiness waits for the communicator. On rank 0 too: the health
+        # port answers for this rank, not for the coordinator it hosts (issue 18).
+        self.health = _health.process_health() or _health.running()
+        if self.rank == 0 and self.embedded:
+            bind = _config.bind_address()
+            self.coordinator = Coordinator(self.world_size, bind=bind, port=self.dial_port, token=self.token,
+                                           tls=self.tls, metrics_port=_config.metrics_port()).start()
+            # Why: rank 0 dials its own server directly, not through a DNS name that may lag (with
+            # TLS it keeps the configured name, which the certificate is issued for, unless
+            # GRIDCOMM_TLS_SERVER_NAME says what to verify).
+            if self.tls is None or self.tls.server_name:
+                self.dial_host = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind
+            self.dial_port = self.coordinator.port
         try:
-            info = _cluster.detect()
-        except ConfigError:
-            if n_devices is None or rank is None:
-                raise
-    world_size = _config.world_size(n_devices if n_devices is not None or info is None else info.world_size)
-    my_rank = _config.rank(rank if rank is not None or info is None else info.rank, world_size)
-    kind = resolve_backend(backend)
-    if info is not None and host is None:
-        host = info.host
-        port = info.port if port is None else port
-    dial_host, dial_port = _config.coordinator_address(host, port)
-    if info is not None:
-        log.info("rank %d of %d (from %s); coordinator %s:%d", my_rank, world_size, info.source, dial_host, dial_port)
-    secret = _config.token(token)
-    tls = _config.tls()
-    wait_s = _config.timeout_s(timeout_s)
-    started = time.monotonic()
-    coordinator = None
-    watcher = None
-    latch = FailureLatch()
-    # Up before the rendezvous (or earlier: start_health_server), so kubelet's liveness probe
-    # passes while ranks gather; readiness waits for the communicator. On rank 0 too: the health
-    # port answers for this rank, not for the coordinator it hosts (issue 18).
-    health = _health.process_health() or _health.running()
-    # The data plane's address is found on the route to the coordinator's configured name (rank 0
-    # dials its own server on loopback below, which says nothing about what its peers can reach).
-    route_host = dial_host
-    if my_rank == 0 and _config.coordinator_mode() == "embedded":
-        bind = _config.bind_address()
-        coordinator = Coordinator(world_size, bind=bind, port=dial_port, token=secret, tls=tls,
-                                  metrics_port=_config.metrics_port()).start()
-        # Why: rank 0 dials its own server directly, not through a DNS name that may lag (with
-        # TLS it keeps the configured name, which the certificate is issued for, unless
-        # GRIDCOMM_TLS_SERVER_NAME says what to verify).
-        if tls is None or tls.server_name:
-            dial_host = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind
-        dial_port = coordinator.port
-    client = None
-    try:
-        client = CoordinatorClient(dial_host, dial_port, my_rank, world_size, token=secret, timeout_s=wait_s, tls=tls)
-        client.join()
-        watcher = Watcher(client.target, client.tls, client.metadata, client.caller, client.heartbeat_timeout_s,
-                          latch.fire, coordinator_rank=0 if _config.coordinator_mode() == "embedded" else None)
-        watcher.start()
+            self.client = CoordinatorClient(self.dial_host, self.dial_port, self.rank, self.world_size,
+                                            token=self.token, timeout_s=self.wait_s, tls=self.tls)
+            self.client.coordinator_rank = 0 if self.embedded else None
+            self.client.join()
+            comm = self._communicator()
+        except BaseException as exc:
+            self._give_up(exc)
+            raise
+        log.info("rank %d of %d: %s communicator ready in %.3f s (generation %d)", self.rank, self.world_size,
+                 self.kind, time.monotonic() - started, self.client.generation)
+        return comm
+
+    def _communicator(self) -> Communicator:
+        """The communicator of the client's current generation (its members, this rank's place)."""
+        client = self.client
+        assert client is not None
+        members = client.members
+        rank = members.index(self.rank)
         plane = None
-        if kind == "host":
-            plane = PlaneConfig(token=secret, tls=tls, host=local_address(route_host, _config.data_host()),
-                                timeout_s=wait_s, verdict_s=client.heartbeat_timeout_s + 1.0,
+        if self.kind == "host":
+            plane = PlaneConfig(token=self.token, tls=self.tls, host=local_address(self.route_host, _config.data_host()),
+                                timeout_s=self.wait_s, verdict_s=client.heartbeat_timeout_s + 1.0,
                                 shm=_config.shared_memory())
-        impl = build_backend(kind, client, "world", my_rank, world_size, plane=plane)
-    except BaseException as exc:
-        if watcher is not None:
-            watcher.stop()
+        everyone = len(members) == self.world_size
+        impl = build_backend(self.kind, client, "world", rank, len(members), plane=plane,
+                             participants=() if everyone else members, failed=lambda: client.failure)
+        comm = Communicator(impl, client, coordinator=self.coordinator, grace_s=min(60.0, self.wait_s),
+                            health=self.health, members=members, job=self, generation=client.generation)
+        if self.embedded:
+            comm.coordinator_rank = impl.coordinator_rank = 0
+        return comm
+
+    def recover(self, mode: str, timeout_s: float | None) -> Communicator:
+        """The next generation's communicator, after a failure: joins it as a survivor (see
+        CoordinatorClient.recover) and builds the backend anew. Raises what ended the attempt
+        (RankFailedError when another rank failed meanwhile: the caller may try again)."""
+        client = self.client
+        assert client is not None
+        started = time.monotonic()
+        client.recover(mode, self.wait_s if timeout_s is None else timeout_s)
+        comm = self._communicator()
+        log.warning("rank %d: %s() done in %.3f s: generation %d, %d ranks (job ranks %s)", self.rank, mode,
+                    time.monotonic() - started, client.generation, comm.world_size, list(comm.members)[:16])
+        return comm
+
+    def _give_up(self, exc: BaseException) -> None:
+        """Undoes a start that failed: tells the coordinator (a rank that joined), closes the
+        client, and stops the embedded coordinator after a grace."""
+        client = self.client
         if client is not None:
             if isinstance(exc, GridcommError) and client.generation:
                 try:
@@ -120,14 +183,7 @@ def init_process_group(
                 except GridcommError:
                     pass
             client.close()
-        if coordinator is not None:
+        if self.coordinator is not None:
             # Why a grace: the other joiners should get their answer (who is missing) before the
             # server goes; stop() returns as soon as none of them has a call in flight.
-            coordinator.stop(grace_s=min(5.0, wait_s))
-        raise
-    log.info("rank %d of %d: %s communicator ready in %.3f s", my_rank, world_size, kind, time.monotonic() - started)
-    comm = Communicator(impl, client, coordinator=coordinator, grace_s=min(60.0, wait_s), watcher=watcher,
-                        health=health, latch=latch)
-    if _config.coordinator_mode() == "embedded":
-        comm.coordinator_rank = impl.coordinator_rank = 0
-    return comm
+            self.coordinator.stop(grace_s=min(5.0, self.wait_s))

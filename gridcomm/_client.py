@@ -11,17 +11,19 @@ ready, so a coordinator DNS name that does not resolve yet is retried until the 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
-from gridcomm import _config, _progress, _session
-from gridcomm._channel import make_channel
+from gridcomm import _config, _eventloop, _progress, _session
+from gridcomm._channel import make_aio_channel, make_channel
 from gridcomm._errors import (
     CommAborted,
     ConfigError,
@@ -29,6 +31,7 @@ from gridcomm._errors import (
     GridcommError,
     RendezvousTimeout,
 )
+from gridcomm._liveness import Watcher
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._wire import CHUNK_BYTES, translate
@@ -115,10 +118,21 @@ class CoordinatorClient:
         self._channel: grpc.Channel | None = None
         self._stub_: pb_grpc.CoordinatorStub | None = None
         self._session: _session.Session | None = None
+        self._aio: grpc.aio.Channel | None = None
         self._closed = False
         self._barrier_seq: dict[str, int] = {}
         self._joined = False
         self._left = False
+        #: The job ranks of this generation, ascending (all ranks until a shrink()).
+        self.members: tuple[int, ...] = tuple(range(self.world_size))
+        #: The rank whose process hosts the coordinator (0 when embedded in rank 0), or None; a
+        #: coordinator that goes silent is then that rank's failure.
+        self.coordinator_rank: int | None = None
+        #: The first failure this generation's watcher reported (a peer's, or the coordinator lost).
+        self.failure: GridcommError | None = None
+        self._on_failure: Callable[[GridcommError], None] | None = None
+        self._failure_lock = threading.Lock()
+        self._watcher: Watcher | None = None
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -167,7 +181,7 @@ class CoordinatorClient:
             raise CommAborted(f"{what}: this client was closed.")
         if self.session_mode != "off":
             if self._session is None:
-                self._session = _session.Session(self.target, self.tls, self._metadata)
+                self._session = _session.Session(self.target, self.tls, self._metadata, self.aio_channel)
             started = time.monotonic()
             try:
                 return self._session.call(kind, request, timeout_s)
@@ -223,10 +237,71 @@ class CoordinatorClient:
             lambda missing: f"waiting for {len(missing)} of {self.world_size} ranks: {missing[:16]}",
             first_contact=True,
         )
-        self.generation = response.generation
         self.heartbeat_timeout_s = response.heartbeat_timeout_s or self.heartbeat_timeout_s
+        self._enter(response)
         self._joined = True
+        # Watched from here on, as a communicator's rank is: heartbeats on the background loop
+        # (no thread of its own), so its death reaches the others and theirs reaches its waits.
+        self._watcher = Watcher(self)
+        self._watcher.start()
         return self.generation
+
+    def recover(self, mode: str, timeout_s: float | None = None) -> int:
+        """After a failure of this generation, joins the next one as a survivor: ``"rebuild"``
+        (every failed rank replaced by a new process; waits, bounded, for them) or ``"shrink"``
+        (survivors only). Every survivor must make the same call. Returns the new generation;
+        :attr:`members` names its job ranks. A rank that fails meanwhile ends the wait with
+        :class:`RankFailedError` naming it; the call can be repeated."""
+        recovery = {"rebuild": pb.RECOVERY_REBUILD, "shrink": pb.RECOVERY_SHRINK}.get(mode)
+        if recovery is None:
+            raise ConfigError(f"recovery mode {mode!r} must be 'rebuild' or 'shrink'.")
+        if not self._joined or self._closed:
+            raise CommAborted(f"rank {self.rank}: {mode} needs a joined, open client.")
+        base = self.generation
+        what = f"rank {self.rank}: {mode} of generation {base}"
+
+        def attempt(wait_s: float, call_s: float) -> pb.JoinResponse:
+            request = pb.JoinRequest(
+                job_id=self.job_id, rank=self.rank, world_size=self.world_size, incarnation=self.incarnation,
+                hostname=self.hostname, wait_s=wait_s, generation=base, recovery=recovery,
+            )
+            return self._op("join", request, what, call_s)
+
+        response = self._long_poll(what, timeout_s, attempt,
+                                   lambda missing: f"waiting for {len(missing)} rank(s): {missing[:16]}")
+        self._enter(response)
+        return self.generation
+
+    def _enter(self, response: pb.JoinResponse) -> None:
+        """Takes the generation a join or a recovery answered: its number and members; barrier
+        counts and the failure latch start afresh (the coordinator's keys and barriers do too)."""
+        with self._failure_lock:
+            self.generation = response.generation
+            self.members = tuple(response.member_ranks) or tuple(range(self.world_size))
+            self.failure = None
+        self._barrier_seq = {}
+
+    def watched(self, error: GridcommError, generation: int) -> None:
+        """From the watcher: a failure of ``generation``. The first of the current generation is
+        kept (:attr:`failure`) and handed to the handler set by :meth:`on_failure`."""
+        with self._failure_lock:
+            if generation < self.generation or self.failure is not None:
+                return
+            self.failure = error
+            handler = self._on_failure
+        if handler is not None:
+            handler(error)
+        else:
+            log.warning("rank %d: %s", self.rank, error)
+
+    def on_failure(self, handler: Callable[[GridcommError], None] | None) -> None:
+        """Sets who hears of this generation's first failure (from the watcher's thread); called
+        at once when it has already happened."""
+        with self._failure_lock:
+            self._on_failure = handler
+            error = self.failure
+        if error is not None and handler is not None:
+            handler(error)
 
     def set(self, key: str, value: bytes) -> None:
         """Stores ``value`` (bytes) under ``key`` for this generation."""
@@ -320,6 +395,7 @@ class CoordinatorClient:
         """Leaves the job cleanly (distinct from failing). Idempotent; closes the channel."""
         if self._left or self._closed:
             return
+        self.stop_watching()  # a heartbeat after the leave would be refused
         try:
             if self._joined:
                 self._op("leave", pb.LeaveRequest(caller=self.caller), f"rank {self.rank}: leave", timeout_s)
@@ -327,15 +403,44 @@ class CoordinatorClient:
         finally:
             self.close()
 
+    def aio_channel(self) -> grpc.aio.Channel:
+        """This client's channel on the background loop, made on first use (call it on the loop):
+        its Session stream and its watcher's heartbeats share it, so a rank holds one connection."""
+        if self._aio is None:
+            self._aio = make_aio_channel(self.target, self.tls)
+        return self._aio
+
+    def stop_watching(self) -> None:
+        """Stops the heartbeats (before a leave, or when this rank is done). Idempotent."""
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.stop()
+
     def close(self) -> None:
         """Closes the channel without leaving (idempotent)."""
         self._closed = True
+        self.stop_watching()
         channel, self._channel = self._channel, None
         if channel is not None:
             channel.close()
         session, self._session = self._session, None
-        if session is not None:
-            session.close_soon()
+        channel_aio, self._aio = self._aio, None
+        if session is None and channel_aio is None:
+            return
+        running = _eventloop.current()
+        if running is None:
+            return  # the loop is gone (interpreter exit): so are its channels
+
+        async def close_all() -> None:
+            if session is not None:
+                await session.close()
+            if channel_aio is not None:
+                await channel_aio.close()
+
+        try:
+            asyncio.run_coroutine_threadsafe(close_all(), running)
+        except RuntimeError:
+            pass  # the loop closed meanwhile (interpreter exit)
 
     def __enter__(self) -> CoordinatorClient:
         return self

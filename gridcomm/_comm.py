@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,13 +17,13 @@ from gridcomm._client import SHORT_CALL_S, CoordinatorClient
 from gridcomm._errors import (
     CommAborted,
     ConfigError,
+    CoordinatorLost,
     CoordinatorUnavailable,
     GridcommError,
     RankFailedError,
     coordinator_lost,
 )
 from gridcomm._health import ProcessHealth
-from gridcomm._liveness import Watcher
 from gridcomm._p2p import PlaneConfig
 from gridcomm._server import Coordinator
 
@@ -57,31 +56,6 @@ def build_backend(kind: str, client: CoordinatorClient, name: str, rank: int, si
     return _nccl.connect(client, name, rank, size, failed=failed)
 
 
-class FailureLatch:
-    """Holds the first failure a watcher reports, until the communicator it belongs to exists."""
-
-    def __init__(self) -> None:
-        self.error: GridcommError | None = None
-        self.handler: Any = None
-        self._lock = threading.Lock()
-
-    def fire(self, error: GridcommError) -> None:
-        with self._lock:
-            if self.error is not None:
-                return
-            self.error = error
-            handler = self.handler
-        if handler is not None:
-            handler(error)
-
-    def attach(self, handler: Any) -> None:
-        with self._lock:
-            self.handler = handler
-            error = self.error
-        if error is not None:
-            handler(error)
-
-
 class Communicator:
     """A group of ranks that run collectives together (the ``cupyx.distributed.NCCLBackend`` API).
 
@@ -96,8 +70,8 @@ class Communicator:
 
     def __init__(self, backend: Any, client: CoordinatorClient, *, name: str = "world",
                  members: Sequence[int] | None = None, coordinator: Coordinator | None = None,
-                 parent: Communicator | None = None, grace_s: float = 60.0, watcher: Watcher | None = None,
-                 health: ProcessHealth | None = None, latch: FailureLatch | None = None) -> None:
+                 parent: Communicator | None = None, grace_s: float = 60.0, health: ProcessHealth | None = None,
+                 job: Any = None, generation: int | None = None) -> None:
         self._backend = backend
         self._client = client
         self._coordinator = coordinator
@@ -116,8 +90,14 @@ class Communicator:
         self._finalized = False
         #: The rank hosting the coordinator (0 when embedded; None for `gridcomm serve`).
         self.coordinator_rank: int | None = parent.coordinator_rank if parent is not None else None
-        self._watcher = watcher
         self._health = health
+        #: The rank's job (gridcomm._api.Job), which makes the next generation's communicator.
+        self._job = job
+        #: 0 at the first init, +1 per recovery (the coordinator counts from 1: its generation 0
+        #: is the rendezvous still forming).
+        self.generation: int = (client.generation if generation is None else generation) - 1
+        #: The communicator a rebuild() or shrink() of this one returned.
+        self._successor: Communicator | None = None
         for method in COLLECTIVES:
             setattr(self, method, getattr(backend, method))
         backend.on_invalid = self._invalid_call
@@ -126,8 +106,9 @@ class Communicator:
         backend.coordinator_rank = self.coordinator_rank
         if health is not None:
             health.set_ready(self, True)
-        if latch is not None:
-            latch.attach(self._on_failure)
+        if parent is None:
+            # Hears of this generation's first failure (at once if it came before this was made).
+            client.on_failure(self._on_failure)
 
     # ------------------------------------------------------------------ failure handling
     def _root(self) -> Communicator:
@@ -277,10 +258,80 @@ class Communicator:
             if child._closed is None:
                 child._close(error)
 
+    # ------------------------------------------------------------------ recovery in place
+    def rebuild(self, timeout_s: float | None = None) -> Communicator:
+        """After :class:`RankFailedError`: the next generation's communicator, with the same world
+        size and this rank's rank. Waits (bounded by ``timeout_s``, else the init's timeout) until
+        every failed rank has a replacement: a new process that calls ``init_process_group(n,
+        rank)`` as the first one did (a restarted pod). Every survivor must call it. This
+        communicator and its split children are aborted and refuse calls; split the new one again.
+        A rank that fails meanwhile raises :class:`RankFailedError` naming it; call again."""
+        return self._recover("rebuild", timeout_s)
+
+    def shrink(self, timeout_s: float | None = None) -> Communicator:
+        """After :class:`RankFailedError`: a communicator of the survivors only, renumbered in the
+        order of their job ranks (``members`` says which job ranks they are). Every survivor must
+        call it; otherwise as :meth:`rebuild`."""
+        return self._recover("shrink", timeout_s)
+
+    def _recover(self, mode: str, timeout_s: float | None) -> Communicator:
+        if self._parent is not None:
+            raise ConfigError(f"{mode}() recovers the whole job: call it on the communicator init_process_group "
+                              "returned (this split child is closed with it; split the new one again).")
+        if self._successor is not None:
+            raise ConfigError(f"this communicator was already recovered into generation {self._successor.generation}; "
+                              f"call {mode}() on the communicator that recovery returned.")
+        if self._job is None:
+            raise ConfigError(f"{mode}() needs a communicator made by init_process_group.")
+        if self._finalized:
+            raise CommAborted(f"rank {self.rank}: {mode}() after stop() or abort(); this rank has left the job.")
+        if self._closed is None:
+            failure = self._client.failure or self._failure_now()
+            if failure is None:
+                raise ConfigError(f"{mode}() follows a RankFailedError, but no rank of generation {self.generation} "
+                                  "has failed.")
+            self._on_failure(failure)
+        closed = self._closed
+        if not isinstance(closed, RankFailedError) or isinstance(closed, CoordinatorLost):
+            # This rank aborted (the job counts it failed), or the coordinator is gone: nothing to join.
+            raise copy.copy(closed)  # type: ignore[misc]
+        for backend in self._all_backends():
+            try:
+                backend.destroy()  # already aborted at the failure; frees sockets and shared memory now
+            except Exception as exc:  # noqa: BLE001 - best effort
+                log.warning("rank %d: freeing a backend failed: %s", self.rank, exc)
+        successor: Communicator = self._job.recover(mode, timeout_s)
+        self._successor = successor
+        self._finalized = True  # the job's client, coordinator and health now belong to the successor
+        self._close(CommAborted(f"communicator {self.name!r} of generation {self.generation} was recovered by "
+                                f"{mode}() into generation {successor.generation}; use the communicator it returned"))
+        return successor
+
+    def _failure_now(self) -> GridcommError | None:
+        """Asks the coordinator for a failure of this generation the watcher has not told of yet."""
+        from gridcomm._liveness import failure_error
+
+        try:
+            failures = self._client.heartbeat()
+        except GridcommError as exc:
+            return exc if isinstance(exc, RankFailedError) else None
+        return failure_error(failures[0], self.rank) if failures else None
+
+    def _latest(self) -> Communicator:
+        root = self._root()
+        while root._successor is not None:
+            root = root._successor
+        return root
+
     def stop(self) -> None:
         """Leaves cleanly and frees the backend; idempotent. Also the way out after another
         rank failed. On the rank that hosts the coordinator, waits (bounded) for every rank to
-        leave or fail before the server stops."""
+        leave or fail before the server stops. On a communicator that a rebuild() or shrink()
+        replaced, stops the one that replaced it (the ``with`` block of the first init ends the
+        rank's part in the job whatever generation it reached)."""
+        if self._root()._successor is not None:
+            self._latest().stop()
+            return
         if self._closed is None:
             self._close(CommAborted(f"communicator {self.name!r} was stopped; create a new one"))
             for backend in self._all_backends():
@@ -292,6 +343,9 @@ class Communicator:
         """Fails this rank on purpose: every other rank gets RankFailedError naming it, and this
         rank's backends are aborted (NCCL work in flight is released). Idempotent."""
         root = self._root()
+        if root._successor is not None:
+            root._latest().abort(reason)
+            return
         if root._finalized:
             return
         if root._closed is None:
@@ -306,8 +360,7 @@ class Communicator:
         if self._finalized:
             return
         self._finalized = True
-        if self._watcher is not None:
-            self._watcher.stop()
+        self._client.stop_watching()
         # Why every backend, also after a failure or abort (where stop() frees none): the host
         # backend's sockets and shared memory go now, not at interpreter exit. Idempotent.
         for backend in self._all_backends():

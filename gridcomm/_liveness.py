@@ -1,7 +1,7 @@
 """Liveness, on the process-wide background loop (:mod:`gridcomm._eventloop`).
 
-The loop hosts, for every communicator of this process, a watcher
-that long-polls the coordinator's Heartbeat (so the coordinator knows the rank is alive, and the
+The loop hosts, for every joined coordinator client of this process (a communicator's, or a bare
+one), a watcher that long-polls the coordinator's Heartbeat (so the coordinator knows the rank is alive, and the
 rank learns of any failure at once). When a watcher learns that a rank failed, or cannot reach
 the coordinator for the heartbeat timeout, it calls the communicator's failure handler from this
 thread (which aborts NCCL work that may be spinning on the GPU). After a peer's failure it goes
@@ -16,18 +16,17 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 
 from gridcomm import _config
-from gridcomm._channel import make_aio_channel
-from gridcomm._client import translate
 from gridcomm._errors import CoordinatorLost, CoordinatorUnavailable, GridcommError, RankFailedError
 from gridcomm._eventloop import current as _current_loop
 from gridcomm._eventloop import loop as _runtime
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from gridcomm._wire import translate
 
 log = logging.getLogger(__name__)
 
@@ -37,23 +36,41 @@ def failure_error(failure: pb.Failure, observer: int) -> RankFailedError:
                            rank=failure.rank, reason=failure.reason)
 
 
-class Watcher:
-    """Heartbeats for one rank and reports the first failure to ``on_failure`` (once)."""
+class Watched(Protocol):
+    """What a watcher reads of the client it watches for (gridcomm._client.CoordinatorClient)."""
 
-    def __init__(self, target: str, tls: _config.TlsFiles | None, metadata: tuple[tuple[str, str], ...],
-                 caller: pb.Caller, heartbeat_timeout_s: float,
-                 on_failure: Callable[[GridcommError], None], coordinator_rank: int | None = None) -> None:
-        self._target = target
-        self._tls = tls
-        self._metadata = metadata
-        self._caller = caller
-        self._timeout_s = heartbeat_timeout_s
-        self._on_failure = on_failure
-        #: The rank whose process hosts the coordinator (0 when embedded), or None (standalone).
-        self._coordinator_rank = coordinator_rank
+    rank: int
+    target: str
+    tls: _config.TlsFiles | None
+    heartbeat_timeout_s: float
+    coordinator_rank: int | None
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]: ...
+
+    @property
+    def caller(self) -> pb.Caller: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    def watched(self, error: GridcommError, generation: int) -> None: ...
+
+    def aio_channel(self) -> grpc.aio.Channel:
+        """The client's channel on the background loop (shared with its Session stream)."""
+        ...
+
+
+class Watcher:
+    """Heartbeats for one joined client, on the background loop, and hands every failure it
+    learns of to ``client.watched(error, generation)`` (the client keeps the first of each
+    generation). It reads the client's identity afresh for each heartbeat, so it goes on across
+    the generations of a recovery in place."""
+
+    def __init__(self, client: Watched) -> None:
+        self._client = client
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
-        self._reported = False
 
     def start(self) -> None:
         loop = _runtime()
@@ -71,39 +88,42 @@ class Watcher:
         if task is not None and running is not None:
             running.call_soon_threadsafe(task.cancel)
 
-    def _report(self, error: GridcommError) -> None:
-        if self._stopped or self._reported:
+    def _report(self, error: GridcommError, generation: int) -> None:
+        if self._stopped:
             return
-        self._reported = True
         try:
-            self._on_failure(error)
-        except Exception:  # noqa: BLE001 - a handler bug must not kill the liveness thread
-            log.exception("rank %d: the failure handler raised", self._caller.rank)
+            self._client.watched(error, generation)
+        except Exception:  # noqa: BLE001 - a handler bug must not kill the liveness task
+            log.exception("rank %d: the failure handler raised", self._client.rank)
 
     async def _run(self) -> None:
-        channel = make_aio_channel(self._target, self._tls)
-        stub = pb_grpc.CoordinatorStub(channel)
-        interval = max(0.05, self._timeout_s / 3)
+        client = self._client
+        # Why the client's channel: one connection per rank, shared with its Session stream.
+        stub = pb_grpc.CoordinatorStub(client.aio_channel())
+        timeout_s = client.heartbeat_timeout_s
+        interval = max(0.05, timeout_s / 3)
         last_ok = time.monotonic()
         backoff = 0.05
+        failed = False
         try:
             while not self._stopped:
-                if self._reported:
-                    # Why the pause: once the job has failed, the coordinator answers a heartbeat
-                    # at once (with the failures); heartbeats go on at the bound's pace.
+                if failed:
+                    # Why the pause: while a generation has failed, the coordinator answers a
+                    # heartbeat at once (with the failures); heartbeats go on at the bound's pace.
                     await asyncio.sleep(interval)
-                request = pb.HeartbeatRequest(caller=self._caller, wait_s=interval)
+                generation = client.generation
+                request = pb.HeartbeatRequest(caller=client.caller, wait_s=interval)
                 try:
-                    reply = await stub.Heartbeat(request, timeout=interval + 1.0, metadata=self._metadata)
+                    reply = await stub.Heartbeat(request, timeout=interval + 1.0, metadata=client.metadata)
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
                     if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                     grpc.StatusCode.CANCELLED):
-                        self._report(translate(exc, f"rank {self._caller.rank}: heartbeat", self._target))
+                        self._report(translate(exc, f"rank {client.rank}: heartbeat", client.target), generation)
                         return
                     silent = time.monotonic() - last_ok
-                    if silent > self._timeout_s:
-                        self._report(self._lost(silent, f"{code.name}: {exc.details()}"))
+                    if silent > timeout_s:
+                        self._report(self._lost(silent, f"{code.name}: {exc.details()}"), generation)
                         return
                     # Jittered, bounded backoff; the loop ends at the heartbeat timeout above.
                     await asyncio.sleep(backoff * (0.5 + random.random()))
@@ -111,19 +131,18 @@ class Watcher:
                     continue
                 last_ok = time.monotonic()
                 backoff = 0.05
-                if reply.failures:
-                    self._report(failure_error(reply.failures[0], self._caller.rank))
+                failed = bool(reply.failures)
+                if failed:
+                    self._report(failure_error(reply.failures[0], client.rank), reply.generation or generation)
         except asyncio.CancelledError:
             pass
-        finally:
-            await channel.close()
-
 
     def _lost(self, silent: float, why: str) -> GridcommError:
-        text = (f"the coordinator at {self._target} has not answered for {silent:.1f} s "
-                f"(heartbeat timeout {self._timeout_s:g} s): {why}")
-        if self._coordinator_rank is not None:
+        client = self._client
+        text = (f"the coordinator at {client.target} has not answered for {silent:.1f} s "
+                f"(heartbeat timeout {client.heartbeat_timeout_s:g} s): {why}")
+        if client.coordinator_rank is not None:
             # Why: the coordinator lives in that rank's process; its silence is that rank's failure.
-            return CoordinatorLost(f"rank {self._coordinator_rank} failed: {text} (seen by rank {self._caller.rank})",
-                                   rank=self._coordinator_rank, reason=text)
-        return CoordinatorUnavailable(f"rank {self._caller.rank}: {text}")
+            return CoordinatorLost(f"rank {client.coordinator_rank} failed: {text} (seen by rank {client.rank})",
+                                   rank=client.coordinator_rank, reason=text)
+        return CoordinatorUnavailable(f"rank {client.rank}: {text}")

@@ -58,6 +58,8 @@ class CoordinatorMetrics:
 
     def __init__(self) -> None:
         self.rank_failures = 0
+        #: Generations formed by a recovery in place (rebuild or shrink).
+        self.recoveries = 0
         self.barriers_completed = 0
         self.barrier_arrivals = 0
         self.barrier_wait_buckets = [0] * (len(BARRIER_BUCKETS) + 1)
@@ -87,6 +89,9 @@ class CoordinatorMetrics:
 
     def rank_failed(self) -> None:
         self.rank_failures += 1
+
+    def recovered(self, generation: int) -> None:
+        self.recoveries += 1
 
     def watch_call(self, context: Any, method: str) -> None:
         """Counts ``context``'s call by method and final status when it ends."""
@@ -177,6 +182,7 @@ class _Snapshot:
     refused_calls: int
     restarts: int
     rank_failures: int
+    recoveries: int
     barriers_completed: int
     barrier_arrivals: int
     barrier_buckets: list[int]
@@ -206,7 +212,7 @@ def _snapshot(coordinator: Any) -> _Snapshot:
         complete=state.complete, serving=coordinator.serving, pending_barriers=len(pending),
         oldest_barrier_s=max((p[4] for p in pending), default=0.0), failures_recorded=len(state.failures),
         uptime_s=now - state.started_at, refused_calls=getattr(refusals, "total", 0),
-        restarts=restarts, rank_failures=metrics.rank_failures,
+        restarts=restarts, rank_failures=metrics.rank_failures, recoveries=metrics.recoveries,
         barriers_completed=metrics.barriers_completed, barrier_arrivals=metrics.barrier_arrivals,
         barrier_buckets=list(metrics.barrier_wait_buckets), barrier_sum=metrics.barrier_wait_sum,
         rpcs=dict(metrics.rpcs), ops=dict(metrics.ops),
@@ -274,6 +280,8 @@ class _Collector:
         yield gauge("gridcomm_uptime_seconds", "Seconds since the coordinator started.", snap.uptime_s)
         yield counter("gridcomm_rank_failures", "Ranks marked failed (died, hung, lost, or reported an error).",
                       snap.rank_failures)
+        yield counter("gridcomm_recoveries", "Generations formed by a recovery in place (rebuild or shrink).",
+                      snap.recoveries)
         yield counter("gridcomm_barriers_completed", "Barrier instances completed.", snap.barriers_completed)
         yield counter("gridcomm_barrier_arrivals", "Arrivals at completed barrier instances (participants per "
                       "instance, counted at completion).", snap.barrier_arrivals)

@@ -31,11 +31,14 @@ def quote(value: str, limit: int = 64) -> str:
 class StateError(Exception):
     """A request the state refuses; ``code`` is a gRPC status name."""
 
-    def __init__(self, code: str, message: str, *, failed_rank: int | None = None) -> None:
+    def __init__(self, code: str, message: str, *, failed_rank: int | None = None,
+                 predecessor_alive: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.failed_rank = failed_rank
+        #: A new process asked for a rank whose process still looks alive (see JobState._admit).
+        self.predecessor_alive = predecessor_alive
 
 
 class MemberState(enum.IntEnum):
@@ -93,6 +96,28 @@ class _Pieces:
     last: int = -1
 
 
+REBUILD = "rebuild"
+SHRINK = "shrink"
+
+
+@dataclasses.dataclass
+class Recovery:
+    """The next generation while it forms, after a failure of the current one.
+
+    ``mode`` is what the survivors chose (None until the first of them arrives; a replacement
+    may come first). A survivor's arrival counts only while no failure came after it: each is
+    stored with the number of failures known when it arrived, so a failure during the recovery
+    sends every survivor that waits back with RankFailedError, and their retry arrives again.
+    """
+
+    base: int
+    mode: str | None = None
+    #: Survivor rank -> number of failures of the base generation known when it arrived.
+    survivors: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: Rank -> the new process admitted as the replacement of a failed rank.
+    replacements: dict[int, Member] = dataclasses.field(default_factory=dict)
+
+
 @dataclasses.dataclass(frozen=True)
 class Limits:
     max_key_bytes: int = 1024
@@ -134,9 +159,21 @@ class JobState:
         self.barriers: dict[str, _Barrier] = {}
         self.left_count = 0
         self.completed_at: float | None = None
-        #: Every rank, as one shared tuple: an arrival at a whole-job barrier compares it by
-        #: identity, keeping the arrival O(1) rather than O(world size).
+        #: Every rank of the generation, as one shared tuple: an arrival at a whole-job barrier
+        #: compares it by identity, keeping the arrival O(1) rather than O(world size). All job
+        #: ranks, until a shrink() leaves fewer.
         self._everyone = tuple(range(world_size))
+        #: The next generation while it forms (after a failure), else None.
+        self.recovery: Recovery | None = None
+        #: Failures of earlier generations, oldest first (for status).
+        self.past_failures: list[Failure] = []
+        #: (base generation, mode) of the recovery that made the current generation.
+        self.recovered_from: tuple[int, str | None] = (0, None)
+
+    @property
+    def active(self) -> tuple[int, ...]:
+        """The job ranks of the current generation, ascending."""
+        return self._everyone
 
     # ----------------------------------------------------------------- join and identity
     @property
@@ -144,10 +181,19 @@ class JobState:
         return self.generation > 0
 
     def missing_join(self) -> list[int]:
+        """Ranks the forming generation waits for: the first rendezvous's, or a recovery's."""
+        if self.complete:
+            return self.recovery_missing()
         return [r for r in range(self.world_size) if r not in self.members]
 
-    def join(self, job_id: str, rank: int, world_size: int, incarnation: int, hostname: str, now: float) -> bool:
-        """Registers a rank; returns True when this join completed the rendezvous."""
+    def join(self, job_id: str, rank: int, world_size: int, incarnation: int, hostname: str, now: float, *,
+             base: int = 0, mode: str | None = None) -> bool:
+        """Registers a rank; returns True when this join completed the rendezvous (or a recovery).
+
+        ``base``/``mode``: a survivor of generation ``base`` joining the next one by ``mode``
+        (REBUILD or SHRINK). A new process (base 0) for a rank of a running job is a replacement:
+        see :meth:`_admit`.
+        """
         self._check_job(job_id)
         if world_size != self.world_size:
             # Why: a mismatch means the pods were launched from different specs; refuse loudly.
@@ -161,33 +207,18 @@ class JobState:
             raise StateError(INVALID_ARGUMENT, f"rank {rank} joined with incarnation 0; it must be a random non-zero number.")
         if len(hostname.encode()) > self.limits.max_hostname_bytes:
             raise StateError(INVALID_ARGUMENT, f"rank {rank}'s hostname is longer than {self.limits.max_hostname_bytes} bytes.")
+        if base:
+            return self._recover(rank, incarnation, base, mode, now)
+        if mode is not None:
+            raise StateError(INVALID_ARGUMENT, f"rank {rank} asked for a {mode} without naming the generation it "
+                             "recovers from.")
+        if self.complete:
+            return self._admit(rank, incarnation, hostname, now)
         if self._failed:
             raise self._failure_error(f"rank {rank} cannot join")
         old = self.members.get(rank)
-        if old is not None:
-            if old.incarnation == incarnation:
-                # Why: the same process re-polling (long-poll slices, retries) is idempotent.
-                old.last_seen = now
-                return False
-            if self.complete:
-                # Why: a restarted process after the rendezvous cannot be mixed into the running
-                # job (its NCCL peers hold the old one); fail the rank so every other rank learns.
-                self.fail(rank, f"rank {rank} restarted (new incarnation {incarnation:#x} from {hostname or '?'}) "
-                          "after the rendezvous completed", reported_by=-1, now=now)
-                raise StateError(
-                    FAILED_PRECONDITION,
-                    f"rank {rank} already joined generation {self.generation} as incarnation "
-                    f"{old.incarnation:#x} from {old.hostname or '?'}; a restarted process cannot rejoin a "
-                    "running job; restart the whole job.",
-                    failed_rank=rank,
-                )
-            if old.active_calls > 0 or now - old.last_seen < self.limits.stale_join_s:
-                raise StateError(
-                    ALREADY_EXISTS,
-                    f"rank {rank} is already taken by a live process on {old.hostname or '?'} (incarnation "
-                    f"{old.incarnation:#x}); each rank must be started exactly once.",
-                )
-            # Why: the old incarnation died while waiting to join; the new process takes its place.
+        if old is not None and self._repoll(old, incarnation, now, "is already taken by a live process"):
+            return False
         self.members[rank] = Member(rank, incarnation, hostname, joined_at=now, last_seen=now)
         if len(self.members) == self.world_size:
             self.generation = 1
@@ -195,8 +226,209 @@ class JobState:
             return True
         return False
 
-    def check_caller(self, job_id: str, rank: int, incarnation: int, generation: int, what: str) -> Member:
-        """Validates the identity on a post-join request and returns the member."""
+    def _repoll(self, waiting: Member, incarnation: int, now: float, taken: str) -> bool:
+        """A join for a rank that ``waiting`` (a process not yet in a generation) holds: True when
+        it is that process re-polling (idempotent); raises when another live one holds it; False
+        when the holder went stale (it died while waiting; the new process takes its place)."""
+        if waiting.incarnation == incarnation:
+            waiting.last_seen = now
+            return True
+        if waiting.active_calls > 0 or now - waiting.last_seen < self.limits.stale_join_s:
+            raise StateError(
+                ALREADY_EXISTS,
+                f"rank {waiting.rank} {taken} on {waiting.hostname or '?'} (incarnation {waiting.incarnation:#x}); "
+                "each rank must be started exactly once.",
+            )
+        return False
+
+    # ----------------------------------------------------------------- recovery in place
+    def _admit(self, rank: int, incarnation: int, hostname: str, now: float) -> bool:
+        """A join by a new process (or a re-poll of one) once the job is running."""
+        old = self.members.get(rank)
+        if old is not None and old.incarnation == incarnation:
+            # The same process re-polling after it was admitted (or before a failure it must hear of).
+            old.last_seen = now
+            if self._failed and old.state is MemberState.JOINED:
+                raise self._failure_error(f"rank {rank} cannot join")
+            return False
+        recovery = self.recovery
+        waiting = recovery.replacements.get(rank) if recovery is not None else None
+        if waiting is not None and self._repoll(waiting, incarnation, now, "already has a replacement waiting"):
+            return False
+        if rank not in self._everyone:
+            raise StateError(
+                FAILED_PRECONDITION,
+                f"rank {rank} is not part of generation {self.generation}: the job shrank to ranks "
+                f"{list(self._everyone)[:16]}; a new process is admitted only as the replacement of a failed rank.",
+            )
+        if old is not None and old.state is MemberState.JOINED:
+            # Why not admitted: a rank is one process. If the old one is in fact dead, the
+            # coordinator marks it failed within the liveness bound, and then this one is admitted
+            # (the server waits for that, bounded, before it answers with this refusal).
+            heard = f"heard from {now - old.last_seen:.1f} s ago"
+            raise StateError(
+                ALREADY_EXISTS,
+                f"rank {rank} is held by a live process on {old.hostname or '?'} (incarnation {old.incarnation:#x}, "
+                f"{heard}) in generation {self.generation}; a second process for it is refused. A replacement "
+                "is admitted only once its predecessor has failed.",
+                predecessor_alive=True,
+            )
+        if not self._failed:
+            raise StateError(
+                FAILED_PRECONDITION,
+                f"rank {rank} left generation {self.generation} cleanly and no rank has failed; a new process "
+                "is admitted only as the replacement of a failed rank (restart the whole job otherwise).",
+            )
+        if recovery is not None and recovery.mode == SHRINK:
+            raise self._shrunk_error(rank)
+        if recovery is None:
+            recovery = self.recovery = Recovery(base=self.generation)
+        recovery.replacements[rank] = Member(rank, incarnation, hostname, joined_at=now, last_seen=now)
+        return self._maybe_complete(now)
+
+    def _shrunk_error(self, rank: int) -> StateError:
+        return StateError(
+            FAILED_PRECONDITION,
+            f"the survivors of generation {self.generation} chose shrink(): the next generation goes on without "
+            f"rank {rank}, so its replacement is not admitted.",
+        )
+
+    def _recover(self, rank: int, incarnation: int, base: int, mode: str | None, now: float) -> bool:
+        """A survivor of generation ``base`` asks to join the next one by ``mode``."""
+        if mode not in (REBUILD, SHRINK):
+            raise StateError(INVALID_ARGUMENT, f"rank {rank}: recovery mode {mode!r} must be rebuild or shrink.")
+        member = self.members.get(rank)
+        if member is None or member.incarnation != incarnation:
+            raise StateError(
+                FAILED_PRECONDITION,
+                f"rank {rank} (incarnation {incarnation:#x}) asked to recover generation {base}, but it is not a "
+                f"member of generation {self.generation}; a new process joins without naming a generation.",
+            )
+        if base == self.generation - 1 and self.recovered_from == (base, mode):
+            member.last_seen = now
+            return False  # this survivor's recovery completed; a re-poll gets the new generation
+        if base != self.generation:
+            raise StateError(
+                FAILED_PRECONDITION,
+                f"rank {rank} asked to recover generation {base}, but the job is at generation {self.generation}.",
+            )
+        if member.state is MemberState.FAILED:
+            raise StateError(
+                ABORTED,
+                f"rank {rank} was marked failed in generation {base} ({self._failed[rank].reason}); it cannot "
+                "take part in the recovery: start a new process for it (it will be admitted as a replacement).",
+                failed_rank=rank,
+            )
+        if member.state is MemberState.LEFT:
+            raise StateError(FAILED_PRECONDITION, f"rank {rank} left generation {base}; it cannot recover it.")
+        if not self._failed:
+            raise StateError(
+                FAILED_PRECONDITION,
+                f"rank {rank} called {mode}(), but no rank of generation {base} has failed; rebuild() and "
+                "shrink() follow a RankFailedError.",
+            )
+        recovery = self.recovery
+        if recovery is None:
+            recovery = self.recovery = Recovery(base=base)
+        if recovery.mode is None:
+            recovery.mode = mode
+        elif recovery.mode != mode:
+            raise StateError(
+                FAILED_PRECONDITION,
+                f"rank {rank} called {mode}(), but the other survivors of generation {base} called "
+                f"{recovery.mode}(); every survivor must make the same call.",
+            )
+        member.last_seen = now
+        recovery.survivors[rank] = len(self.failures)
+        return self._maybe_complete(now)
+
+    def recovery_check(self, rank: int, incarnation: int, base: int) -> bool:
+        """Whether the recovery a rank waits in has completed (True), is still forming (False),
+        or raises what ends its wait: a failure after it arrived, or a shrink that leaves a
+        replacement out."""
+        if self.generation > base:
+            member = self.members.get(rank)
+            if member is not None and member.incarnation == incarnation:
+                return True
+            raise self._shrunk_error(rank) if self.recovered_from[1] == SHRINK else StateError(
+                ABORTED, f"rank {rank} was replaced in generation {self.generation} by another process.")
+        recovery = self.recovery
+        if recovery is None:
+            raise StateError(ABORTED, f"the recovery of generation {base} was abandoned; call it again.")
+        if rank in recovery.survivors and self.members.get(rank) is not None and \
+                self.members[rank].incarnation == incarnation:
+            if recovery.survivors[rank] != len(self.failures):
+                latest = self.failures[-1]
+                raise StateError(ABORTED, f"rank {latest.rank} failed during the recovery: {latest.reason}",
+                                 failed_rank=latest.rank)
+            return False
+        waiting = recovery.replacements.get(rank)
+        if waiting is not None and waiting.incarnation == incarnation:
+            if recovery.mode == SHRINK:
+                raise self._shrunk_error(rank)
+            return False
+        raise StateError(ABORTED, f"rank {rank} is no longer waiting in the recovery of generation {base}; join again.")
+
+    def recovery_missing(self) -> list[int]:
+        """Ranks the forming generation still waits for (survivors and replacements)."""
+        recovery = self.recovery
+        if recovery is None:
+            return []
+        count = len(self.failures)
+        missing = []
+        for rank in self._everyone:
+            member = self.members[rank]
+            if member.state is MemberState.JOINED:
+                if recovery.survivors.get(rank) != count:
+                    missing.append(rank)
+            elif recovery.mode != SHRINK and rank not in recovery.replacements:
+                missing.append(rank)
+        return missing
+
+    def _maybe_complete(self, now: float) -> bool:
+        recovery = self.recovery
+        assert recovery is not None
+        survivors = [r for r in self._everyone if self.members[r].state is MemberState.JOINED]
+        if not survivors:
+            mode = REBUILD  # every rank is new: nobody to ask, the job restarts in place
+        elif recovery.mode is None:
+            return False
+        else:
+            mode = recovery.mode
+        if self.recovery_missing():
+            return False
+        members: dict[int, Member] = {}
+        for rank in survivors:
+            members[rank] = self.members[rank]
+        if mode == REBUILD:
+            members.update(recovery.replacements)
+        active = tuple(sorted(members))
+        if not active:
+            return False
+        self.past_failures.extend(self.failures)
+        self.failures = []
+        self._failed = {}
+        self.kv = {}
+        self._kv_bytes = 0
+        self._versions = {}
+        self._pieces = {}
+        self._pieces_bytes = 0
+        self.barriers = {}
+        self.left_count = 0
+        self.members = members
+        self._everyone = active if len(active) < self.world_size else tuple(range(self.world_size))
+        self.recovered_from = (recovery.base, mode)
+        self.recovery = None
+        self.generation += 1
+        self.completed_at = now
+        for member in members.values():
+            member.last_seen = now
+        return True
+
+    def check_caller(self, job_id: str, rank: int, incarnation: int, generation: int, what: str, *,
+                     any_generation: bool = False) -> Member:
+        """Validates the identity on a post-join request and returns the member. ``any_generation``:
+        a heartbeat, which speaks for the process whatever generation its sender last took."""
         # Why the guards: this runs for every rank on every request; the checks raise the errors.
         if job_id != self.job_id:
             self._check_job(job_id)
@@ -220,7 +452,7 @@ class JobState:
                 f"rank {rank} called {what} as incarnation {incarnation:#x}, but the rank belongs to incarnation "
                 f"{member.incarnation:#x}; a restarted process cannot use the old process's session.",
             )
-        if generation != self.generation:
+        if generation != self.generation and not (any_generation and 0 < generation < self.generation):
             raise StateError(
                 FAILED_PRECONDITION,
                 f"rank {rank} called {what} for generation {generation}, but the job is at generation "
@@ -393,18 +625,19 @@ class JobState:
         members = tuple(participants)
         if members == self._everyone:
             return self._everyone
-        if list(members) != sorted(set(members)) or members[0] < 0 or members[-1] >= self.world_size:
+        if list(members) != sorted(set(members)) or members[0] < 0 or members[-1] >= self.world_size or \
+                any(r not in self.members for r in members):
             raise StateError(
                 INVALID_ARGUMENT,
-                f"barrier {quote(name)}: participants must be distinct ranks in 0..{self.world_size - 1}, sorted; "
-                f"got {list(members)[:16]}.",
+                f"barrier {quote(name)}: participants must be distinct ranks of generation {self.generation} "
+                f"(job ranks {list(self._everyone)[:16]}), sorted; got {list(members)[:16]}.",
             )
         return members
 
     def barrier_missing(self, name: str, seq: int) -> list[int]:
         barrier = self.barriers.get(name)
         if barrier is None:
-            return list(range(self.world_size))
+            return list(self._everyone)
         return [r for r in barrier.members if barrier.arrived[r] < seq]
 
     def barrier_blocker(self, name: str, seq: int) -> Member | None:
@@ -490,11 +723,6 @@ class JobState:
     def check_not_failed(self, what: str) -> None:
         if self._failed:
             raise self._failure_error(what)
-
-    def touch(self, rank: int, now: float) -> None:
-        member = self.members.get(rank)
-        if member is not None:
-            member.last_seen = now
 
     def heartbeat(self, rank: int, now: float) -> None:
         member = self.members[rank]

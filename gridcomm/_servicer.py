@@ -22,7 +22,7 @@ import grpc
 
 from gridcomm._metrics import CoordinatorMetrics
 from gridcomm._proto import coordinator_pb2 as pb
-from gridcomm._rendezvous import JobState, Member, StateError, quote
+from gridcomm._rendezvous import REBUILD, SHRINK, JobState, Member, MemberState, StateError, quote
 from gridcomm._wire import CHUNK_BYTES, FAILED_KEY, MISSING_KEY, ranks_text
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 ANSWER_MARGIN_S = 0.25
 #: Longest status message sent (characters); see details().
 MAX_DETAILS = 400
+#: JoinRequest.recovery -> the state's recovery mode.
+_MODES: dict[int, str | None] = {pb.RECOVERY_NONE: None, pb.RECOVERY_REBUILD: REBUILD, pb.RECOVERY_SHRINK: SHRINK}
 
 
 class Undecodable:
@@ -125,6 +127,11 @@ class RefusalLog:
 def _settle(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def _gone(state: JobState, member: Member) -> bool:
+    """Whether ``member`` no longer holds its rank as a live process (failed, left, replaced)."""
+    return member.state is not MemberState.JOINED or not state.is_current(member)
 
 
 def _member_pb(member: Member) -> pb.Member:
@@ -294,23 +301,28 @@ class Servicer:
     # ------------------------------------------------------------------ operations
     async def join(self, request: pb.JoinRequest, deadline: float | None) -> pb.JoinResponse:
         state = self._state
-        was_failed = state.failed
         self.metrics.ops["join"] += 1
-        try:
-            completed = state.join(request.job_id, request.rank, request.world_size, request.incarnation,
-                                   request.hostname, self._now())
-        except StateError as exc:
-            # Kept for status and the waiting ranks' messages, and logged (issue 18).
-            self.metrics.join_refused(request.rank, request.hostname, exc.code, exc.message)
-            if state.failed and not was_failed:
-                # Why: the join marked a rank failed (a restarted process): tell everyone now.
-                log.error("coordinator: %s", state.failures[0].reason)
-                self._on_failure()
-            raise
-        member = state.members[request.rank]
+        if request.recovery not in _MODES:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"join of rank {request.rank}: unknown recovery "
+                        f"{request.recovery}.")
+        mode = _MODES[request.recovery]
+        base = request.generation
+        completed = await self._enter(request, base, mode, deadline)
+        if mode == SHRINK and not completed and state.recovery is not None and state.recovery.replacements:
+            self._wake(("join",))  # replacements that wait learn that they are not admitted
         if completed:
-            log.info("coordinator: all %d ranks joined; generation %d", state.world_size, state.generation)
+            if state.generation == 1:
+                log.info("coordinator: all %d ranks joined; generation 1", state.world_size)
+            else:
+                log.warning("coordinator: generation %d formed by %s(): ranks %s", state.generation,
+                            state.recovered_from[1], _bounded(list(state.active)))
+                self.metrics.recovered(state.generation)
+                self._owner._set_serving(True)
             self._wake(("join",))
+        if state.complete:
+            # A new process admitted into a running job, or a survivor: waits for the next generation.
+            return await self._await_recovery(request, base, deadline)
+        member = state.members[request.rank]
         ok = await self._wait(("join",), lambda: state.complete, request.wait_s, deadline,
                               f"join of rank {request.rank}", member=member)
         if not state.is_current(member):
@@ -321,10 +333,85 @@ class Servicer:
                         f"{len(missing)} of {state.world_size} ranks have not joined: {_bounded(missing)}"
                         + self.metrics.refusal_note(missing),  # a missing rank that was refused says why
                         ((MISSING_KEY, ranks_text(missing)),))
+        return self._joined()
+
+    def _joined(self) -> pb.JoinResponse:
+        state = self._state
         # Members are not sent: O(world size) per join is O(world size^2) per rendezvous; Status
-        # lists them for who needs them.
+        # lists them for who needs them. A shrunk generation names its job ranks.
+        active = state.active
         return pb.JoinResponse(generation=state.generation, world_size=state.world_size,
-                               heartbeat_timeout_s=self._owner.heartbeat_timeout_s)
+                               heartbeat_timeout_s=self._owner.heartbeat_timeout_s,
+                               member_ranks=active if len(active) < state.world_size else ())
+
+    async def _enter(self, request: pb.JoinRequest, base: int, mode: str | None, deadline: float | None) -> bool:
+        """Registers the join with the state. A new process for a rank whose predecessor still
+        looks alive waits (bounded by the call) for the coordinator to mark it failed, which it
+        does within the liveness bound if that process is in fact gone (a pod restarted fast)."""
+        state = self._state
+        was_failed = state.failed
+        while True:
+            try:
+                return state.join(request.job_id, request.rank, request.world_size, request.incarnation,
+                                  request.hostname, self._now(), base=base, mode=mode)
+            except StateError as exc:
+                if exc.predecessor_alive:
+                    if await self._predecessor_gone(request, deadline):
+                        continue
+                # Kept for status and the waiting ranks' messages, and logged (issue 18).
+                self.metrics.join_refused(request.rank, request.hostname, exc.code, exc.message)
+                if state.failed and not was_failed:
+                    log.error("coordinator: %s", state.failures[0].reason)
+                    self._on_failure()
+                raise
+
+    async def _predecessor_gone(self, request: pb.JoinRequest, deadline: float | None) -> bool:
+        """A new process asks for a rank whose process the coordinator still counts alive: True
+        once that one is marked failed (then the join is tried again); raises the refusal when it
+        heartbeats after this join came (it is alive: a second process for a rank), or, when
+        neither happened within the call, a wait answer the client's long poll repeats."""
+        state = self._state
+        old = state.members[request.rank]
+        since = self._now()
+
+        def settled() -> bool:
+            return _gone(state, old) or (old.last_heartbeat is not None and old.last_heartbeat > since)
+
+        await self._wait(("beat", old.rank), settled, request.wait_s, deadline, f"join of rank {request.rank}",
+                         fail_fast=False)
+        if _gone(state, old):
+            return True
+        if old.last_heartbeat is not None and old.last_heartbeat > since:
+            return False  # alive: the caller raises the refusal
+        raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"rank {request.rank}'s previous process (incarnation {old.incarnation:#x} on {old.hostname or '?'}) "
+                    f"has not been heard from since this one came; waiting for the coordinator to mark it failed "
+                    f"(liveness bound {self._owner.heartbeat_timeout_s:g} s)", ((MISSING_KEY, ranks_text([request.rank])),))
+
+    async def _await_recovery(self, request: pb.JoinRequest, base: int, deadline: float | None) -> pb.JoinResponse:
+        """Waits until the generation this join entered has formed (a recovery completes), or a
+        failure during it, or the bounded wait ends (then the ranks still awaited are named)."""
+        state = self._state
+        rank, incarnation = request.rank, request.incarnation
+        base = base or state.generation
+        if state.generation > base or (state.members.get(rank) is not None and
+                                       state.members[rank].incarnation == incarnation and state.recovery is None
+                                       and not state.failed):
+            return self._joined()  # already formed (a re-poll), or a re-poll of a plain join
+        recovery = state.recovery
+        waiting = state.members.get(rank)
+        if recovery is not None and rank in recovery.replacements:
+            waiting = recovery.replacements[rank]
+        ok = await self._wait(("join",), lambda: state.recovery_check(rank, incarnation, base), request.wait_s,
+                              deadline, f"recovery of generation {base}", fail_fast=False,
+                              member=waiting if waiting is not None and waiting.incarnation == incarnation else None)
+        if not ok:
+            missing = state.missing_join()
+            raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"the recovery of generation {base} waits for {len(missing)} rank(s): {_bounded(missing)} "
+                        "(survivors that have not called it, or failed ranks without a replacement)",
+                        ((MISSING_KEY, ranks_text(missing)),))
+        return self._joined()
 
     async def set(self, request: pb.SetRequest, deadline: float | None) -> pb.SetResponse:
         member = self._caller(request.caller, "set")
@@ -401,9 +488,13 @@ class Servicer:
     async def heartbeat(self, request: pb.HeartbeatRequest, deadline: float | None) -> pb.HeartbeatResponse:
         """Long-poll: answered after wait_s or as soon as any rank fails, with every failure."""
         state = self._state
-        member = self._caller(request.caller, "heartbeat")
+        caller = request.caller
+        member = state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, "heartbeat",
+                                    any_generation=True)
         state.heartbeat(member.rank, self._now())
         beat = member.last_heartbeat
+        if ("beat", member.rank) in self._waiters:
+            self._wake(("beat", member.rank))  # a second process for this rank waits to learn it is alive
         try:
             await self._wait(("failure",), lambda: state.failed, min(request.wait_s, self._owner.heartbeat_timeout_s),
                              deadline, "heartbeat", fail_fast=False)
@@ -412,7 +503,7 @@ class Servicer:
             # went away (or it merely re-dials). Give it a moment to heartbeat again, then fail it.
             self._loop.call_later(self._owner.connection_grace_s, self._check_lost, member, beat)
             raise
-        return pb.HeartbeatResponse(failures=[_failure_pb(f) for f in state.failures])
+        return pb.HeartbeatResponse(failures=[_failure_pb(f) for f in state.failures], generation=state.generation)
 
     def _check_lost(self, member: Member, beat: float | None) -> None:
         if self._state.lost_connection(member, beat):

@@ -20,7 +20,7 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
@@ -77,8 +77,12 @@ class Session:
     """One client's Session stream to one coordinator. ``call`` runs on any thread but the
     loop's; the rest runs on the loop."""
 
-    def __init__(self, target: str, tls: _config.TlsFiles | None, metadata: tuple[tuple[str, str], ...]) -> None:
+    def __init__(self, target: str, tls: _config.TlsFiles | None, metadata: tuple[tuple[str, str], ...],
+                 channel: Callable[[], grpc.aio.Channel] | None = None) -> None:
         self._target = target
+        #: Gives the channel the stream runs on (the client's, shared with its watcher, so a rank
+        #: holds one connection); None: the session opens, and closes, one of its own.
+        self._shared_channel = channel
         self._tls = tls
         self._metadata = metadata
         self._loop = _eventloop.loop()
@@ -153,7 +157,8 @@ class Session:
 
     def _open(self) -> None:
         if self._channel is None:
-            self._channel = make_aio_channel(self._target, self._tls)
+            self._channel = (self._shared_channel() if self._shared_channel is not None else
+                             make_aio_channel(self._target, self._tls))
         # Why wait_for_ready: a coordinator that is not up yet (or a name that does not resolve
         # yet) is waited for; each operation's own timeout bounds the wait.
         call = pb_grpc.CoordinatorStub(self._channel).Session(metadata=self._metadata, wait_for_ready=True)
@@ -273,7 +278,7 @@ class Session:
             if tasks:
                 await asyncio.wait(tasks, timeout=1.0)
         finally:
-            if channel is not None:
+            if channel is not None and self._shared_channel is None:
                 await channel.close()
             # Why: a cancelled task's traceback refers back to this session and its call; drop
             # the references so nothing keeps the call (and its channel) alive until a GC pass.

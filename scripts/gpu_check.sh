@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU run (device machine: one or two H200s, no network). Installs the carried wheels (.whl/:
-# grpcio-health-checking, pytest-timeout), runs the gpu and multi_gpu tests, the per-call probe
-# and the collective benchmark at world size 1 and, with 2+ GPUs, 2 (one process per GPU), and
-# leaves logs in $OUT (or ./gpu-out): gpu.txt, gpu-tests.log, probe.log, collectives-wsN.md/.json.
+# grpcio-health-checking, pytest-timeout, nccl4py), runs the gpu and multi_gpu tests with the NCCL
+# engine GRIDCOMM_NCCL_ENGINE picks (auto: nccl4py where it loads), the world-size-1 conformance
+# again with CuPy's binding (GRIDCOMM_NCCL_ENGINE=cupy), the per-call probes and the collective
+# benchmark at world size 1 and, with 2+ GPUs, 2 (one process per GPU), and leaves logs in $OUT
+# (or ./gpu-out): gpu.txt, gpu-tests.log, cupy-engine.log, probe.log, collectives-wsN.md/.json.
 # BENCH_ARGS adds arguments to both benchmark runs (e.g. "--rounds 5 --sweep-max 268435456").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,9 +12,9 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 else
-  export PYTHONPATH=$PWD
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared multi-GPU hosts (it can take the GPUs out of service).
@@ -33,9 +35,26 @@ for probe in ("import ml_dtypes; print('ml_dtypes', ml_dtypes.__version__, numpy
     except Exception as exc:
         print("probe failed:", probe[:40], repr(exc))
 PY
+python3 - <<'PY' 2>&1 | tee -a "$OUT/gpu.txt"
+from gridcomm import _nccl
+print("NCCL engine:", _nccl.engine(), "| setting:", _nccl.engine_setting(), "| nccl4py:",
+      "loads" if _nccl._load_nccl4py() else f"not usable ({_nccl._nccl4py_why})")
+try:
+    import nccl.core
+    print("nccl4py", nccl.core.__version__, "libnccl", nccl.core.get_version().libnccl)
+except Exception as exc:
+    print("nccl4py:", repr(exc))
+PY
 python3 -m pytest -m "gpu or multi_gpu" -v -s -p no:cacheprovider tests/test_gpu.py tests/test_conformance.py 2>&1 | tee "$OUT/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
+# CuPy's binding stays the engine where nccl4py is missing: its conformance too.
+GRIDCOMM_NCCL_ENGINE=cupy python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_conformance.py 2>&1 \
+  | tee "$OUT/cupy-engine.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || tests_rc=1
 python3 benchmarks/overhead_probe.py 2>&1 | tee "$OUT/probe.log"
+for engine in auto cupy; do
+  GRIDCOMM_NCCL_ENGINE=$engine python3 benchmarks/callpath_probe.py --rounds 11 2>&1 | tee -a "$OUT/probe.log"
+done
 gpus=$(nvidia-smi -L | grep -c '^GPU')
 bench_rc=0
 for ws in 1 2; do

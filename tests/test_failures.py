@@ -157,15 +157,18 @@ print("CLEAN", flush=True)
 
 
 @pytest.mark.timeout(90)
-def test_restarted_rank_is_refused_and_peers_are_told(coordinator_factory):
+def test_a_second_process_for_a_live_rank_is_refused_and_fails_nobody(coordinator_factory):
+    # Issue 17: a new process for a rank is admitted only as the replacement of a failed one (in
+    # the next generation). While the old process heartbeats, a second one is refused, and the
+    # old one's peers go on; when the old one then dies, they are told as for any death.
     server = coordinator_factory(2, heartbeat_timeout_s=HB)
     code = PRELUDE + """
 c = gridcomm.CoordinatorClient("127.0.0.1", int(os.environ["PORT"]), rank, world, timeout_s=10)
 c.join()
 print("JOINED", flush=True)
 if rank == 1:
-    time.sleep(6)  # the old rank 1 never reaches the barrier: rank 0 waits there
-    sys.exit(0)
+    time.sleep(4)  # alive (its watcher heartbeats) but never at the barrier, then gone without leaving
+    os._exit(0)
 t0 = time.monotonic()
 try:
     c.barrier("after-restart", timeout_s=20)
@@ -173,7 +176,6 @@ except gridcomm.GridcommError as exc:
     outcome(exc, t0)
 """
     first = RankProcesses(code, 2, env={"PORT": str(server.port)})
-    # The same rank 1 again, as a restarted pod would: a new process, a new incarnation.
     deadline = time.monotonic() + 20
     while server.state.generation == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -181,15 +183,18 @@ except gridcomm.GridcommError as exc:
 c = gridcomm.CoordinatorClient("127.0.0.1", int(os.environ["PORT"]), rank, world, timeout_s=10)
 try:
     c.join()
+    print("ADMITTED", flush=True)
 except gridcomm.GridcommError as exc:
     print("REFUSED", type(exc).__name__, exc, flush=True)
 """, 2, env={"PORT": str(server.port)}, ranks=[1])
     r_again = again.wait(30)
+    assert not server.state.failed, report(r_again)
     r_first = first.wait(30)
     first.close()
-    assert "REFUSED RankFailedError" in r_again[1].stdout and "restart the whole job" in r_again[1].stdout
+    assert "REFUSED ConfigError" in r_again[1].stdout and "held by a live process" in r_again[1].stdout, \
+        report(r_again)
     kind, failed, _, msg = outcomes(r_first, [0])[0]
-    assert kind == "RankFailedError" and failed == "1" and "restarted" in msg, report(r_first)
+    assert kind == "RankFailedError" and failed == "1" and "lost its connection" in msg, report(r_first)
 
 
 @pytest.mark.timeout(90)

@@ -1,6 +1,9 @@
 """GPU-only checks (marker ``gpu``), run on the device machine: see the README's GPU command.
 
-World size 1 here: NCCL refuses two ranks on one GPU, and multi-GPU machines are not lent now.
+One GPU: world size 1 (NCCL refuses two ranks on one GPU), plus 2-rank NCCL inits whose peer never
+arrives (they must end in an error, aborted, within the deadline). Two GPUs (``multi_gpu``, skipped
+with fewer): conformance at world size 2, a peer killed inside an NCCL all_reduce, and recovery in
+place (``rebuild()`` with a replacement process, ``shrink()`` to the survivor).
 """
 
 from __future__ import annotations
@@ -225,3 +228,179 @@ print("NO FAILURE", flush=True)
     assert "OUTCOME" in out, report(results)
     after = float(out.split("after=")[1].split()[0])
     assert after < 4 + 5, after
+
+
+# ---------------------------------------------------------------------- NCCL init that cannot hang
+ABSENT_PEER = """
+import os, time, gridcomm
+rank = int(os.environ["GRIDCOMM_RANK"])
+client = gridcomm.CoordinatorClient("127.0.0.1", int(os.environ["PORT"]), rank, 2, timeout_s=60)
+client.join()
+time.sleep(float(os.environ["STAY_S"]))   # joined, but never calls NCCL init
+client.leave()
+"""
+
+
+def _needs_nccl4py() -> None:
+    from gridcomm import _nccl
+
+    if _nccl.engine() != "nccl4py":
+        pytest.skip("needs nccl4py: CuPy's ncclCommInitRank cannot be aborted (it blocks until the peer comes)")
+
+
+def _rank0_beside_an_absent_peer(coordinator_factory, stay_s: float):
+    """A 2-rank coordinator, rank 1 a process that joins and never calls NCCL init, rank 0's
+    joined client here: what _nccl.connect (the communicator's own path) gets as ``client``."""
+    import gridcomm
+
+    server = coordinator_factory(2)
+    peer = RankProcesses(ABSENT_PEER, 2, ranks=[1], env={"PORT": str(server.port), "STAY_S": str(stay_s)})
+    client = gridcomm.CoordinatorClient("127.0.0.1", server.port, 0, 2, timeout_s=60)
+    client.join()
+    return client, peer
+
+
+@pytest.mark.timeout(120)
+def test_nccl_init_whose_peer_never_arrives_ends_at_the_deadline_aborted(coordinator_factory):
+    """Rank 0 of 2 publishes the unique ID and starts NCCL init; rank 1 never does. With a 3 s
+    deadline the init is aborted and RendezvousTimeout raised, within the deadline plus 2 s; the
+    GPU then builds a new communicator (nothing was left spinning)."""
+    _needs_nccl4py()
+    import gridcomm
+    from gridcomm import _nccl
+
+    client, peer = _rank0_beside_an_absent_peer(coordinator_factory, 20)
+    with peer:
+        t0 = time.monotonic()
+        with pytest.raises(gridcomm.RendezvousTimeout, match=r"did not complete within .* aborted \(ncclCommAbort\)"):
+            _nccl.connect(client, "world", 0, 2, timeout_s=3.0)
+        took = time.monotonic() - t0
+        print(f"absent peer: NCCL init ended in RendezvousTimeout after {took:.2f} s (deadline 3.0 s)")
+        assert took < 3.0 + 2.0, took
+        solo = _nccl.NcclBackend(1, 0, _nccl.new_unique_id())
+        x = cupy.arange(8, dtype=cupy.float32)
+        y = cupy.zeros_like(x)
+        solo.all_reduce(x, y)
+        solo.synchronize()
+        assert bool((y == x).all())
+        solo.destroy()
+        client.leave()
+
+
+@pytest.mark.timeout(120)
+def test_nccl_init_is_aborted_as_soon_as_a_peer_is_reported_failed(coordinator_factory):
+    """The same absent peer, a 60 s deadline, and a watcher that reports rank 1 failed 1 s into
+    the init: connect raises that RankFailedError at once, not at the deadline."""
+    _needs_nccl4py()
+    import gridcomm
+    from gridcomm import _nccl
+
+    client, peer = _rank0_beside_an_absent_peer(coordinator_factory, 20)
+    with peer:
+        error = gridcomm.RankFailedError("rank 1 failed: test watcher", rank=1, reason="test")
+        t0 = time.monotonic()
+        with pytest.raises(gridcomm.RankFailedError, match="test watcher") as caught:
+            _nccl.connect(client, "world", 0, 2, timeout_s=60.0,
+                          failed=lambda: error if time.monotonic() - t0 > 1.0 else None)
+        took = time.monotonic() - t0
+        print(f"failed() during NCCL init: RankFailedError after {took:.2f} s (reported at 1.0 s)")
+        assert caught.value is error and took < 1.0 + 1.5, took
+        client.leave()
+
+
+# ---------------------------------------------------------------------- recovery in place (2 GPUs)
+RECOVERY = """
+import os, sys, time, cupy, gridcomm
+rank = int(os.environ["GRIDCOMM_RANK"])
+mode, replacement = os.environ["MODE"], os.environ.get("REPLACEMENT") == "1"
+sync = cupy.cuda.get_current_stream().synchronize
+
+
+def checked_steps(comm, n):
+    x = cupy.empty(1 << 16, dtype=cupy.float32)
+    for i in range(n):
+        x.fill((comm.members[comm.rank] + 1) * (i + 1))
+        comm.all_reduce(x, x)
+        sync()
+        want = sum(m + 1 for m in comm.members) * (i + 1)
+        got = float(x[0])
+        assert got == want and bool((x == want).all()), (i, got, want)
+
+
+comm = gridcomm.init_process_group(2, rank, backend="nccl", timeout_s=120)
+print(f"START rank={rank} generation={comm.generation} replacement={replacement}", flush=True)
+if not replacement:
+    checked_steps(comm, 5)
+    comm.barrier("warm")
+    t_dead = None
+    try:
+        for i in range(1000000):
+            if rank == 1 and i == 50:
+                os.kill(os.getpid(), 9)   # dies inside the loop
+            checked_steps(comm, 1)
+        print("NO FAILURE", flush=True)
+        sys.exit(1)
+    except gridcomm.RankFailedError as exc:
+        t_dead = time.monotonic()
+        print(f"FAILED rank={exc.rank} {exc}", flush=True)
+    comm = comm.rebuild(timeout_s=120) if mode == "rebuild" else comm.shrink(timeout_s=120)
+    print(f"RECOVERED {mode} in {time.monotonic() - t_dead:.2f} s", flush=True)
+checked_steps(comm, 20)
+print(f"DONE rank={comm.rank} world={comm.world_size} members={tuple(comm.members)} "
+      f"generation={comm.generation}", flush=True)
+comm.stop()
+"""
+
+
+def _recovery(mode: str) -> dict:
+    import gridcomm
+    from tests.support.procs import wait_for
+
+    server = gridcomm.Coordinator(2, bind="127.0.0.1", port=0).start()
+    env = {"GRIDCOMM_COORDINATOR": "external", "GRIDCOMM_HOST": "127.0.0.1", "GRIDCOMM_PORT": str(server.port),
+           "GRIDCOMM_HEARTBEAT_TIMEOUT_S": "4", "GRIDCOMM_TIMEOUT_S": "120", "MODE": mode}
+    gpus = {0: {"CUDA_VISIBLE_DEVICES": "0"}, 1: {"CUDA_VISIBLE_DEVICES": "1"}}
+    try:
+        first = RankProcesses(RECOVERY, 2, env=env, per_rank_env=gpus)
+        replacement = None
+        try:
+            wait_for(lambda: first.procs[1].poll() is not None, "rank 1 killed itself", 120)
+            if mode == "rebuild":
+                replacement = RankProcesses(RECOVERY, 2, ranks=[1], env=dict(env, REPLACEMENT="1"), per_rank_env=gpus)
+            results = first.wait(240)
+            if replacement is not None:
+                results[1] = replacement.wait(60)[1]
+        finally:
+            first.close()
+            if replacement is not None:
+                replacement.close()
+    finally:
+        server.stop()
+    print(report(results))
+    return results
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.timeout(400)
+def test_rank_killed_in_an_nccl_loop_is_replaced_and_the_survivor_rebuilds():
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    results = _recovery("rebuild")
+    out0, out1 = results[0].stdout, results[1].stdout
+    assert results[0].returncode == 0 and results[1].returncode == 0, report(results)
+    assert "FAILED rank=1" in out0 and "RECOVERED rebuild" in out0, report(results)
+    assert "START rank=1 generation=1 replacement=True" in out1, report(results)
+    for out, rank in ((out0, 0), (out1, 1)):
+        assert f"DONE rank={rank} world=2 members=(0, 1) generation=1" in out, report(results)
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.timeout(400)
+def test_rank_killed_in_an_nccl_loop_the_survivor_shrinks_to_one():
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    results = _recovery("shrink")
+    out0 = results[0].stdout
+    assert results[0].returncode == 0, report(results)
+    assert "FAILED rank=1" in out0 and "RECOVERED shrink" in out0, report(results)
+    assert "DONE rank=0 world=1 members=(0,) generation=1" in out0, report(results)

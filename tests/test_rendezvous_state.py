@@ -78,13 +78,138 @@ def test_duplicate_live_rank_is_refused_but_stale_one_is_replaced():
     assert state.members[0].incarnation == 6
 
 
-def test_restart_after_rendezvous_fails_the_rank():
+def test_a_second_process_for_a_live_rank_is_refused_and_fails_nobody():
     state = joined(2)
     with pytest.raises(StateError) as info:
         state.join("job", 1, 2, 999, "h1", now=5.0)
-    assert info.value.code == FAILED_PRECONDITION and info.value.failed_rank == 1
-    assert state.failed and state.first_failure().rank == 1
-    assert state.members[1].state is MemberState.FAILED
+    assert info.value.code == ALREADY_EXISTS and info.value.predecessor_alive
+    assert "live process" in info.value.message and "0x64" not in info.value.message
+    assert not state.failed and state.members[1].incarnation == 101 and state.recovery is None
+
+
+def failed_one(n: int = 4, victim: int = 2, now: float = 10.0) -> JobState:
+    state = joined(n)
+    state.set("k", b"v")
+    state.arrive("b", 0, 1, now=1.0)
+    assert state.fail(victim, "killed", -1, now=now) is not None
+    return state
+
+
+def test_rebuild_admits_a_replacement_into_the_next_generation_only():
+    state = failed_one()
+    # The replacement comes first: it waits in the forming generation, not in the failed one.
+    assert state.join("job", 2, 4, 555, "h2b", now=11.0) is False
+    assert state.generation == 1 and state.members[2].incarnation == 102
+    assert state.missing_join() == [0, 1, 3]
+    assert state.recovery_check(2, 555, 1) is False
+    assert state.join("job", 0, 4, 100, "h0", now=12.0, base=1, mode="rebuild") is False
+    assert state.join("job", 1, 4, 101, "h1", now=12.0, base=1, mode="rebuild") is False
+    assert state.join("job", 3, 4, 103, "h3", now=13.0, base=1, mode="rebuild") is True
+    assert state.generation == 2 and state.active == (0, 1, 2, 3)
+    assert state.members[2].incarnation == 555 and state.members[2].state is MemberState.JOINED
+    # A fresh generation: no failure, no key, no barrier; the old failure is history.
+    assert not state.failed and state.kv == {} and state.barriers == {}
+    assert [f.rank for f in state.past_failures] == [2]
+    assert all(state.recovery_check(r, 100 + r if r != 2 else 555, 1) for r in range(4))
+    # A survivor that re-polls its recovery gets the new generation; the old process is refused.
+    assert state.join("job", 0, 4, 100, "h0", now=14.0, base=1, mode="rebuild") is False
+    with pytest.raises(StateError, match="incarnation"):
+        state.check_caller("job", 2, 102, 2, "set")
+    assert state.check_caller("job", 2, 555, 2, "set").hostname == "h2b"
+
+
+def test_rebuild_waits_for_the_replacement():
+    state = failed_one()
+    for r in (0, 1, 3):
+        assert state.join("job", r, 4, 100 + r, f"h{r}", now=11.0, base=1, mode="rebuild") is False
+    assert state.missing_join() == [2] and state.generation == 1
+    assert state.join("job", 2, 4, 556, "h2b", now=12.0) is True
+    assert state.generation == 2 and state.members[2].incarnation == 556
+
+
+def test_shrink_keeps_the_survivors_and_refuses_a_replacement():
+    state = failed_one()
+    assert state.join("job", 2, 4, 555, "h2b", now=11.0) is False  # came before the survivors chose
+    for r in (0, 1):
+        assert state.join("job", r, 4, 100 + r, f"h{r}", now=11.0, base=1, mode="shrink") is False
+    with pytest.raises(StateError, match="shrink"):
+        state.recovery_check(2, 555, 1)
+    assert state.join("job", 3, 4, 103, "h3", now=12.0, base=1, mode="shrink") is True
+    assert state.generation == 2 and state.active == (0, 1, 3) and sorted(state.members) == [0, 1, 3]
+    with pytest.raises(StateError, match="shrink"):
+        state.recovery_check(2, 555, 1)
+    with pytest.raises(StateError, match="not part of generation 2"):
+        state.join("job", 2, 4, 777, "h2c", now=13.0)
+    # A whole-generation barrier is over the survivors; the departed rank is no participant.
+    for r in (0, 1):
+        assert state.arrive("b", r, 1, now=14.0) == 0
+    assert state.barrier_missing("b", 1) == [3]
+    assert state.arrive("b", 3, 1, now=14.0) == 1
+    with pytest.raises(StateError, match="participants"):
+        state.arrive("c", 0, 1, now=14.0, participants=[0, 2])
+
+
+def test_a_failure_during_the_recovery_ends_the_waits_and_can_be_retried():
+    state = failed_one()
+    state.join("job", 0, 4, 100, "h0", now=11.0, base=1, mode="rebuild")
+    assert state.recovery_check(0, 100, 1) is False
+    state.fail(3, "killed too", -1, now=12.0)
+    with pytest.raises(StateError) as info:
+        state.recovery_check(0, 100, 1)
+    assert info.value.code == ABORTED and info.value.failed_rank == 3
+    # The retry counts again; the recovery now needs replacements of 2 and 3.
+    state.join("job", 0, 4, 100, "h0", now=13.0, base=1, mode="rebuild")
+    state.join("job", 1, 4, 101, "h1", now=13.0, base=1, mode="rebuild")
+    assert state.recovery_check(0, 100, 1) is False and state.missing_join() == [2, 3]
+    state.join("job", 2, 4, 1002, "h2b", now=14.0)
+    assert state.join("job", 3, 4, 1003, "h3b", now=14.0) is True
+    assert state.generation == 2 and [f.rank for f in state.past_failures] == [2, 3]
+
+
+@pytest.mark.parametrize(
+    "rank, incarnation, kwargs, code, words",
+    [
+        (0, 100, dict(base=1, mode="shrink"), FAILED_PRECONDITION, "same call"),
+        (2, 102, dict(base=1, mode="rebuild"), ABORTED, "marked failed"),
+        (0, 999, dict(base=1, mode="rebuild"), FAILED_PRECONDITION, "not a member"),
+        (0, 100, dict(base=3, mode="rebuild"), FAILED_PRECONDITION, "generation 1"),
+        (0, 100, dict(base=1, mode="grow"), INVALID_ARGUMENT, "rebuild or shrink"),
+        (0, 100, dict(mode="rebuild"), INVALID_ARGUMENT, "generation"),
+    ],
+)
+def test_recovery_refusals(rank, incarnation, kwargs, code, words):
+    state = failed_one()
+    state.join("job", 1, 4, 101, "h1", now=11.0, base=1, mode="rebuild")
+    with pytest.raises(StateError) as info:
+        state.join("job", rank, 4, incarnation, "h", now=12.0, **kwargs)
+    assert info.value.code == code and words in info.value.message, info.value.message
+
+
+def test_recovery_without_a_failure_and_a_replacement_for_a_rank_that_left_are_refused():
+    state = joined(2)
+    with pytest.raises(StateError, match="no rank of generation 1 has failed"):
+        state.join("job", 0, 2, 100, "h0", now=1.0, base=1, mode="rebuild")
+    state.leave(1, now=2.0)
+    with pytest.raises(StateError, match="left generation 1 cleanly"):
+        state.join("job", 1, 2, 999, "h1", now=3.0)
+
+
+def test_every_rank_replaced_restarts_the_job_in_place():
+    state = joined(2)
+    state.fail(0, "gone", -1, now=1.0)
+    state.fail(1, "gone", -1, now=1.0)
+    assert state.join("job", 1, 2, 11, "a", now=2.0) is False
+    assert state.join("job", 0, 2, 10, "b", now=2.0) is True
+    assert state.generation == 2 and {m.incarnation for m in state.members.values()} == {10, 11}
+
+
+def test_a_heartbeat_speaks_for_the_process_across_generations():
+    state = failed_one(n=2, victim=1)
+    state.join("job", 1, 2, 555, "h1b", now=11.0)
+    assert state.join("job", 0, 2, 100, "h0", now=12.0, base=1, mode="rebuild") is True
+    assert state.check_caller("job", 0, 100, 1, "heartbeat", any_generation=True).rank == 0
+    with pytest.raises(StateError, match="generation 2"):
+        state.check_caller("job", 0, 100, 1, "set")
 
 
 def test_check_caller_refuses_old_incarnation_and_generation():

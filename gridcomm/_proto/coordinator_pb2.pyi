@@ -12,10 +12,19 @@ class MemberState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEMBER_STATE_JOINED: _ClassVar[MemberState]
     MEMBER_STATE_LEFT: _ClassVar[MemberState]
     MEMBER_STATE_FAILED: _ClassVar[MemberState]
+
+class Recovery(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RECOVERY_NONE: _ClassVar[Recovery]
+    RECOVERY_REBUILD: _ClassVar[Recovery]
+    RECOVERY_SHRINK: _ClassVar[Recovery]
 MEMBER_STATE_UNSPECIFIED: MemberState
 MEMBER_STATE_JOINED: MemberState
 MEMBER_STATE_LEFT: MemberState
 MEMBER_STATE_FAILED: MemberState
+RECOVERY_NONE: Recovery
+RECOVERY_REBUILD: Recovery
+RECOVERY_SHRINK: Recovery
 
 class Caller(_message.Message):
     __slots__ = ("job_id", "rank", "incarnation", "generation")
@@ -56,32 +65,38 @@ class Failure(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., reason: _Optional[str] = ..., at_unix_s: _Optional[float] = ..., reported_by: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "incarnation", "hostname", "wait_s")
+    __slots__ = ("job_id", "rank", "world_size", "incarnation", "hostname", "wait_s", "generation", "recovery")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
     incarnation: int
     hostname: str
     wait_s: float
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., hostname: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    generation: int
+    recovery: Recovery
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., hostname: _Optional[str] = ..., wait_s: _Optional[float] = ..., generation: _Optional[int] = ..., recovery: _Optional[_Union[Recovery, str]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("generation", "world_size", "members", "heartbeat_timeout_s")
+    __slots__ = ("generation", "world_size", "members", "heartbeat_timeout_s", "member_ranks")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_RANKS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     world_size: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
     heartbeat_timeout_s: float
-    def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+    member_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., heartbeat_timeout_s: _Optional[float] = ..., member_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SetRequest(_message.Message):
     __slots__ = ("caller", "key", "value", "total_bytes", "offset")
@@ -154,10 +169,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("failures",)
+    __slots__ = ("failures", "generation")
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     failures: _containers.RepeatedCompositeFieldContainer[Failure]
-    def __init__(self, failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ...) -> None: ...
+    generation: int
+    def __init__(self, failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ReportFailureRequest(_message.Message):
     __slots__ = ("caller", "reason")

@@ -1,0 +1,369 @@
+"""Recovery in place (issue 17): real OS processes per rank on loopback, host backend, a
+standalone coordinator in the test process (``GRIDCOMM_COORDINATOR=external``, so any rank may
+fail), and ranks that die by SIGKILL mid-loop.
+
+Every rank runs checked ``all_reduce`` steps: rank r contributes ``job_rank + 1 + 1000 * step``,
+so the expected sum depends on which job ranks are members, and a result mixed across steps or
+generations is caught. On ``RankFailedError`` a survivor calls ``rebuild()`` or ``shrink()``
+(again if that raises ``RankFailedError``), then the new communicator's rank 0 broadcasts the
+step to resume from (what a job reloads from its checkpoint); a replacement process calls
+``init_process_group`` as the first did and joins that broadcast. Recovery time, from the death
+to the first good step of the new generation, is printed (``-s``), not asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from typing import Any
+
+import pytest
+
+import gridcomm
+from tests.support.procs import RankProcesses, report, wait_for
+from tests.support.ranks import LIVENESS, READINESS, check, free_port, wait_status
+
+HB = 2.0
+WORLD = 4
+
+RANK_CODE = r"""
+import json, os, signal, sys, time
+import numpy as np
+import gridcomm
+
+rank = int(os.environ["GRIDCOMM_RANK"]); world = int(os.environ["GRIDCOMM_WORLD_SIZE"])
+mode = os.environ["RECOVERY"]
+die_rank, die_step = int(os.environ.get("DIE_RANK", "-1")), int(os.environ.get("DIE_STEP", "5"))
+die_in_recovery = int(os.environ.get("DIE_IN_RECOVERY", "-1"))
+recover_delay = float(os.environ.get("RECOVER_DELAY_S", "0"))
+steps_after = int(os.environ.get("STEPS_AFTER", "20"))
+max_steps = int(os.environ.get("MAX_STEPS", "0"))  # 0: until steps_after good steps after a recovery
+step_sleep = float(os.environ.get("STEP_SLEEP_S", "0"))
+
+
+def emit(tag, **fields):
+    print(tag, json.dumps(dict(fields, at=time.time())), flush=True)
+
+
+comm = gridcomm.init_process_group(world, rank, backend="host", timeout_s=60)
+emit("JOINED", generation=comm.generation, members=list(comm.members), rank=comm.rank)
+x = np.empty(1024)
+y = np.empty(1024)
+step_box = np.zeros(1, dtype=np.int64)
+step, good_after, wrong = 0, 0, 0
+resync = comm.generation > 0  # a replacement learns the step from the survivors
+while good_after < steps_after and not (max_steps and step >= max_steps):
+    time.sleep(step_sleep)
+    if resync:
+        step_box[0] = step
+        comm.broadcast(step_box, root=0)
+        step = int(step_box[0])
+        resync = False
+        emit("RESUME", step=step, generation=comm.generation)
+    if rank == die_rank and comm.generation == 0 and step == die_step:
+        emit("DYING")
+        os.kill(os.getpid(), signal.SIGKILL)
+    x[:] = comm.members[comm.rank] + 1 + 1000.0 * step
+    try:
+        comm.all_reduce(x, y, op="sum")
+    except gridcomm.RankFailedError as exc:
+        emit("FAILED", failed=exc.rank, generation=comm.generation)
+        if rank == die_in_recovery:
+            time.sleep(0.5)  # the others are inside their recovery call by now
+            emit("DYING")
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(recover_delay)
+        while True:
+            try:
+                comm = comm.rebuild(timeout_s=60) if mode == "rebuild" else comm.shrink(timeout_s=60)
+                break
+            except gridcomm.RankFailedError as again:
+                emit("RETRY", failed=again.rank, message=str(again)[:300])
+        emit("RECOVERED", generation=comm.generation, members=list(comm.members), rank=comm.rank)
+        resync = True
+        continue
+    want = sum(m + 1 + 1000.0 * step for m in comm.members)
+    if not np.all(y == want):
+        wrong += 1
+        emit("WRONG", step=step, got=float(y[0]), want=want)
+    if comm.generation > 0:
+        good_after += 1
+        if good_after == 1:
+            emit("FIRST_GOOD", step=step, generation=comm.generation)
+    step += 1
+comm.barrier("end")
+emit("DONE", generation=comm.generation, members=list(comm.members), rank=comm.rank, step=step, wrong=wrong)
+comm.stop()
+"""
+
+
+def lines(text: str, tag: str) -> list[dict[str, Any]]:
+    return [json.loads(line.split(" ", 1)[1]) for line in text.splitlines() if line.startswith(tag + " ")]
+
+
+class Run:
+    """The job's first processes plus the replacements the test starts (by rank)."""
+
+    def __init__(self, server: gridcomm.Coordinator, per_rank_env: dict[int, dict[str, str]] | None = None,
+                 **env: str) -> None:
+        self.server = server
+        self.env = {"GRIDCOMM_COORDINATOR": "external", "GRIDCOMM_HOST": "127.0.0.1",
+                    "GRIDCOMM_PORT": str(server.port), "GRIDCOMM_HEARTBEAT_TIMEOUT_S": f"{HB:g}",
+                    "GRIDCOMM_BACKEND": "host", **env}
+        self.first = RankProcesses(RANK_CODE, WORLD, env=self.env, per_rank_env=per_rank_env)
+        self.replacements: list[RankProcesses] = []
+        self.results: dict[str, Any] = {}
+
+    def died(self, rank: int, timeout_s: float = 60.0) -> None:
+        proc = self.first.procs[rank]
+        wait_for(lambda: proc.poll() is not None, f"rank {rank} dies", timeout_s)
+        assert proc.returncode == -signal.SIGKILL, proc.returncode
+
+    def replace(self, rank: int) -> None:
+        self.replacements.append(RankProcesses(RANK_CODE, WORLD, env=self.env, ranks=[rank]))
+
+    def wait(self, timeout_s: float) -> tuple[dict[int, Any], list[dict[int, Any]]]:
+        first = self.first.wait(timeout_s)
+        later = [r.wait(30) for r in self.replacements]
+        return first, later
+
+    def close(self) -> None:
+        self.first.close()
+        for r in self.replacements:
+            r.close()
+
+
+@pytest.fixture
+def run(coordinator_factory):
+    made: list[Run] = []
+
+    def make(per_rank_env: dict[int, dict[str, str]] | None = None, **env: str) -> Run:
+        server = coordinator_factory(WORLD, heartbeat_timeout_s=HB)
+        made.append(Run(server, per_rank_env, **env))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def check_finished(results: dict[int, Any], survivors: list[int], members: list[int], generation: int,
+                   everything: str) -> dict[int, dict[str, Any]]:
+    done = {}
+    for rank in survivors:
+        r = results[rank]
+        assert r.returncode == 0, everything
+        (last,) = lines(r.stdout, "DONE")
+        assert last["wrong"] == 0 and last["generation"] == generation and last["members"] == members, everything
+        assert not lines(r.stdout, "WRONG"), everything
+        done[rank] = last
+    return done
+
+
+def recovery_time(results: dict[int, Any], victim_out: str, survivors: list[int]) -> float:
+    (death,) = lines(victim_out, "DYING")
+    first_good = max(lines(results[r].stdout, "FIRST_GOOD")[0]["at"] for r in survivors)
+    return first_good - death["at"]
+
+
+@pytest.mark.timeout(150)
+def test_rebuild_a_replacement_joins_and_everyone_finishes_20_checked_steps(run):
+    job = run(RECOVERY="rebuild", DIE_RANK="2")
+    job.died(2)
+    time.sleep(1.0)  # the restarted pod comes a second later
+    job.replace(2)
+    first, (again,) = job.wait(120)
+    everything = report(first) + "\n--- replacement\n" + report(again)
+    check_finished(first, [0, 1, 3], [0, 1, 2, 3], 1, everything)
+    check_finished(again, [2], [0, 1, 2, 3], 1, everything)
+    for rank in (0, 1, 3):
+        (failed,) = lines(first[rank].stdout, "FAILED")
+        assert failed["failed"] == 2, everything
+        (recovered,) = lines(first[rank].stdout, "RECOVERED")
+        assert recovered["rank"] == rank and recovered["generation"] == 1, everything
+    # The replacement entered generation 1 (never 0) and resumed where the survivors were.
+    (joined,) = lines(again[2].stdout, "JOINED")
+    (resumed,) = lines(again[2].stdout, "RESUME")
+    assert joined["generation"] == 1 and resumed["step"] == 5, everything
+    print(f"\nrebuild: death of rank 2 to the first good step of generation 1: "
+          f"{recovery_time(first, first[2].stdout, [0, 1, 3]):.2f} s (replacement started 1 s after the death)")
+
+
+@pytest.mark.timeout(150)
+def test_readiness_goes_down_at_the_failure_and_up_when_the_rebuild_completes(run):
+    port = free_port()
+    job = run({0: {"GRIDCOMM_HEALTH_PORT": str(port)}}, RECOVERY="rebuild", DIE_RANK="2", STEP_SLEEP_S="0.1")
+    wait_status(port, READINESS, "SERVING", 40)
+    job.died(2)
+    seen_dead = time.monotonic()
+    down_after = wait_status(port, READINESS, "NOT_SERVING", 10) - seen_dead
+    assert check(port, LIVENESS) == "SERVING"  # a survivor is not killed by its liveness probe
+    job.replace(2)  # only now: readiness stays down until the recovery completes
+    replaced = time.monotonic()
+    up_after = wait_status(port, READINESS, "SERVING", 40) - replaced
+    first, (again,) = job.wait(120)
+    everything = report(first) + report(again)
+    check_finished(first, [0, 1, 3], [0, 1, 2, 3], 1, everything)
+    check_finished(again, [2], [0, 1, 2, 3], 1, everything)
+    print(f"\nrank 0's readiness: NOT_SERVING {down_after:.2f} s after the death was seen, SERVING again "
+          f"{up_after:.2f} s after the replacement started")
+
+
+@pytest.mark.timeout(150)
+def test_shrink_three_survivors_finish_20_checked_steps(run):
+    job = run(RECOVERY="shrink", DIE_RANK="2")
+    first, _ = job.wait(120)
+    everything = report(first)
+    assert first[2].returncode == -signal.SIGKILL, everything
+    done = check_finished(first, [0, 1, 3], [0, 1, 3], 1, everything)
+    assert [done[r]["rank"] for r in (0, 1, 3)] == [0, 1, 2], everything  # renumbered in job-rank order
+    print(f"\nshrink: death of rank 2 to the first good step of generation 1: "
+          f"{recovery_time(first, first[2].stdout, [0, 1, 3]):.2f} s")
+
+
+@pytest.mark.timeout(180)
+def test_a_second_failure_during_the_rebuild_is_a_rank_failed_error_and_the_retry_succeeds(run):
+    job = run(RECOVERY="rebuild", DIE_RANK="2", DIE_IN_RECOVERY="3")
+    job.died(2)
+    job.died(3)
+    job.replace(2)
+    job.replace(3)
+    first, (again2, again3) = job.wait(150)
+    everything = report(first) + report(again2) + report(again3)
+    check_finished(first, [0, 1], [0, 1, 2, 3], 1, everything)
+    check_finished(again2, [2], [0, 1, 2, 3], 1, everything)
+    check_finished(again3, [3], [0, 1, 2, 3], 1, everything)
+    for rank in (0, 1):
+        retries = lines(first[rank].stdout, "RETRY")
+        # Rank 3 may have died before or after this survivor entered rebuild(): either its first
+        # failure names 3, or its rebuild() did (once), and the retry went through.
+        failures = [f["failed"] for f in lines(first[rank].stdout, "FAILED")] + [r["failed"] for r in retries]
+        assert 3 in failures and len(retries) <= 1, everything
+
+
+@pytest.mark.timeout(150)
+def test_a_replacement_that_arrives_before_the_survivors_call_rebuild_waits_for_them(run):
+    job = run(RECOVERY="rebuild", DIE_RANK="2", RECOVER_DELAY_S="4")
+    job.died(2)
+    job.replace(2)  # at once: it joins while the survivors still sit in their 4 s before rebuild()
+    first, (again,) = job.wait(120)
+    everything = report(first) + report(again)
+    check_finished(first, [0, 1, 3], [0, 1, 2, 3], 1, everything)
+    check_finished(again, [2], [0, 1, 2, 3], 1, everything)
+    (joined_at,) = lines(again[2].stdout, "JOINED")
+    recovered = [lines(first[r].stdout, "RECOVERED")[0]["at"] for r in (0, 1, 3)]
+    failed = [lines(first[r].stdout, "FAILED")[0]["at"] for r in (0, 1, 3)]
+    # The replacement's join returned only once the survivors had called rebuild (4 s after they
+    # learned of the failure), with everyone's generation.
+    assert joined_at["generation"] == 1 and joined_at["at"] >= max(failed) + 3.0, everything
+    assert abs(joined_at["at"] - max(recovered)) < 3.0, everything
+
+
+@pytest.mark.timeout(120)
+def test_a_replacement_for_a_rank_that_never_failed_is_refused_and_the_job_goes_on(run):
+    job = run(RECOVERY="rebuild", MAX_STEPS="80", STEP_SLEEP_S="0.1")  # nobody dies: about 8 s of steps
+    # A second process for rank 1 of the running job: refused, saying why; nobody is failed.
+    code = r"""
+import gridcomm
+try:
+    gridcomm.init_process_group(4, 1, backend="host", timeout_s=30)
+    print("ADMITTED", flush=True)
+except gridcomm.GridcommError as exc:
+    print("REFUSED", type(exc).__name__, exc, flush=True)
+"""
+    wait_for(lambda: job.server.state.generation >= 1, "the job's rendezvous", 40)
+    started = time.monotonic()
+    out = RankProcesses(code, WORLD, env=job.env, ranks=[1]).wait(60)[1]
+    refused_in = time.monotonic() - started
+    first, _ = job.wait(90)
+    everything = report(first) + "\n--- duplicate\n" + out.stdout + out.stderr
+    assert "REFUSED ConfigError" in out.stdout and "held by a live process" in out.stdout, everything
+    for rank in range(WORLD):
+        assert first[rank].returncode == 0 and not lines(first[rank].stdout, "FAILED"), everything
+        assert lines(first[rank].stdout, "DONE")[0]["step"] == 80, everything
+    print(f"\nduplicate of a live rank refused {refused_in:.2f} s after it started (process start included)")
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_bare_client_reaches_its_peers_as_rank_failed_error_naming_it(coordinator_factory):
+    server = coordinator_factory(WORLD, heartbeat_timeout_s=HB)
+    code = r"""
+import json, os, time, gridcomm
+rank = int(os.environ["GRIDCOMM_RANK"])
+c = gridcomm.CoordinatorClient("127.0.0.1", int(os.environ["PORT"]), rank, 4, timeout_s=60)
+c.join()
+i = 0
+try:
+    while True:
+        if rank == 3 and i == 20:
+            print("DYING", json.dumps({"at": time.time()}), flush=True)
+            os._exit(1)  # no leave, no close: a crash
+        c.barrier("loop")
+        i += 1
+except gridcomm.GridcommError as exc:
+    print("ERROR", json.dumps({"at": time.time(), "kind": type(exc).__name__, "rank": getattr(exc, "rank", None),
+                               "message": str(exc)[:300]}), flush=True)
+c.close()
+"""
+    results = RankProcesses(code, WORLD, env={"PORT": str(server.port)}).wait(60)
+    everything = report(results)
+    (death,) = lines(results[3].stdout, "DYING")
+    for rank in range(3):
+        (error,) = lines(results[rank].stdout, "ERROR")
+        assert error["kind"] == "RankFailedError" and error["rank"] == 3, everything
+        assert error["at"] - death["at"] < HB + 5.0, everything  # the liveness bound + 5 s
+
+
+@pytest.mark.timeout(90)
+def test_split_children_close_with_the_old_generation_and_the_new_one_splits_again(coordinator_factory):
+    server = coordinator_factory(3, heartbeat_timeout_s=HB)
+    code = r"""
+import json, os, signal, time
+import numpy as np
+import gridcomm
+rank = int(os.environ["GRIDCOMM_RANK"])
+comm = gridcomm.init_process_group(3, rank, backend="host", timeout_s=60)
+child = comm.split(color=0)
+x = np.ones(4)
+child.all_reduce(x, x)
+assert x[0] == 3.0
+if rank == 2:
+    os.kill(os.getpid(), signal.SIGKILL)
+out = {}
+try:
+    child.all_reduce(x, x)
+except gridcomm.RankFailedError as exc:
+    out["child_error"] = exc.rank
+try:
+    child.rebuild()
+except gridcomm.ConfigError as exc:
+    out["child_rebuild"] = "split the new one again" in str(exc)
+new = comm.shrink(timeout_s=30)
+try:
+    child.all_reduce(x, x)
+except gridcomm.GridcommError as exc:
+    out["old_child_after"] = type(exc).__name__
+try:
+    comm.barrier()
+except gridcomm.GridcommError as exc:
+    out["old_comm_after"] = type(exc).__name__
+again = new.split(color=0)
+y = np.full(4, rank + 1.0)
+again.all_reduce(y, y)
+out.update(sum=float(y[0]), members=list(new.members), generation=new.generation, child_members=list(again.members))
+print("OUT", json.dumps(out), flush=True)
+comm.stop()  # stops the communicator that replaced it (the job's part of this rank ends)
+"""
+    env = {"GRIDCOMM_COORDINATOR": "external", "GRIDCOMM_HOST": "127.0.0.1", "GRIDCOMM_PORT": str(server.port),
+           "GRIDCOMM_HEARTBEAT_TIMEOUT_S": f"{HB:g}"}
+    results = RankProcesses(code, 3, env=env).wait(60)
+    everything = report(results)
+    for rank in (0, 1):
+        assert results[rank].returncode == 0, everything
+        (out,) = lines(results[rank].stdout, "OUT")
+        assert out["child_error"] == 2 and out["child_rebuild"] is True, everything
+        assert out["old_child_after"] == "RankFailedError" and out["old_comm_after"] == "CommAborted", everything
+        assert out["sum"] == 3.0 and out["members"] == [0, 1] and out["child_members"] == [0, 1], everything
+        assert out["generation"] == 1, everything
+    assert server.wait_all_left(10.0)
