@@ -296,7 +296,9 @@ def test_worker_pod_killed_is_replaced_and_survivors_rebuild(sim: Simulation, ou
                       bound=f"death to first good step (back-off {decision.delay_s:g} s + <= {RECOVERY_SLACK_S:g})",
                       setup_s=sim.topo.setup_s or 0.0, teardown_s="")
 
-    # What each pod did and printed.
+    # What each pod did and printed (its stdout read to the end).
+    for pod in sim.history:
+        assert pod.proc.wait(5.0) is not None
     assert [p.exit_code for p in sim.history] == [0 if p is not victim else podsim.SIGKILL_EXIT for p in sim.history]
     assert len(sim.history) == WORLD + 1 and sim.decisions == [(VICTIM, podsim.SIGKILL_EXIT, decision)]
     assert replacement.identity.name != victim.identity.name and replacement.identity.uid != victim.identity.uid
