@@ -768,3 +768,24 @@ def test_train_py_without_recovery_ends_with_the_failure(monkeypatch: pytest.Mon
     with pytest.raises(gridcomm_errors.RankFailedError):
         train.run(12, 8, checkpoint_dir=str(tmp_path))
     assert log[-1] == "g0 exit RankFailedError" and not any("rebuild" in line for line in log)
+
+
+def test_train_py_a_refusal_after_the_rendezvous_is_exit_3(monkeypatch: pytest.MonkeyPatch, tmp_path: Any):
+    """A restarted coordinator refuses the ranks of the old one with FAILED_PRECONDITION, which
+    gridcomm raises as ConfigError; after the rendezvous that is no configuration error of the pod
+    (exit 2 would fail the recoverable Job) but a lost coordinator (exit 3: the index restarts)."""
+    log: list[str] = []
+    comm = _FakeComm(log, set())
+
+    def refused(send: Any, recv: Any, op: str = "sum") -> None:
+        raise gridcomm_errors.ConfigError("rank 0 called heartbeat for generation 1, but this coordinator has no record")
+
+    monkeypatch.setattr(comm, "all_reduce", refused)
+    monkeypatch.setattr(train.gridcomm, "init_process_group", lambda: comm)
+    monkeypatch.setattr(train.gridcomm, "start_health_server", lambda: None)
+    monkeypatch.setenv("GRIDCOMM_BACKEND", "host")
+    monkeypatch.setenv("TRAIN_RECOVERY", "rebuild")
+    monkeypatch.setenv("TRAIN_CHECKPOINT_DIR", str(tmp_path))
+    assert train.main() == train.EXIT_PEER_FAILED
+    monkeypatch.setattr(comm, "all_reduce", lambda *a, **k: (_ for _ in ()).throw(gridcomm_errors.ArgumentError("bad")))
+    assert train.main() == train.EXIT_CONFIG_ERROR  # train.py's own wrong argument stays a configuration error

@@ -64,6 +64,7 @@ STEPS = 30
 STEP_SLEEP_S = 0.2
 VICTIM = 1
 KILL_AFTER_STEP = 8
+CHECKPOINT_EVERY = 5  # train.py's default, which the manifests keep
 #: What the test allows on top of the Job controller's back-off for one recovery on two shared
 #: cores: death noticed, a new Python process up, the rebuild, the steps since the checkpoint.
 RECOVERY_SLACK_S = 30.0
@@ -332,3 +333,49 @@ def test_worker_pod_killed_is_replaced_and_survivors_rebuild(sim: Simulation, ou
     assert not sim.job_failed and sim.succeeded == set(range(WORLD))
     sim.coordinator.proc.popen.send_signal(signal.SIGTERM)  # what `kubectl delete` of the Deployment does
     assert sim.coordinator.proc.wait(30.0) is not None, "the coordinator did not stop on SIGTERM"
+
+
+@needs_recovery
+@pytest.mark.timeout(240)
+def test_coordinator_pod_killed_every_index_restarts_from_the_checkpoint(sim: Simulation,
+                                                                        outcome_table: OutcomeTable) -> None:
+    """deploy/README.md's limit: the coordinator is not replaced in place. Its pod's container is
+    SIGKILLed; kubelet restarts it (restartPolicy Always: a new, empty coordinator at the same
+    address; here at once, where kubelet's crash back-off may wait); every worker exits 3, each
+    index is recreated through the Count rule, and the new pods resume from the checkpoint."""
+    coordinator = sim.start_coordinator()
+    for i in range(WORLD):
+        sim.start_worker(i)
+    sim.run_until(lambda: all(sim.ready(i, 0.0) for i in range(WORLD)), podsim.STARTUP_S + podsim.RUN_S,
+                  "readiness of every worker")
+    first = dict(sim.pods)
+    sim.run_until(lambda: sim.logged(first[0], rf"rank 0: step {KILL_AFTER_STEP} of {STEPS} done"), podsim.RUN_S,
+                  f"step {KILL_AFTER_STEP} on rank 0")
+    killed = time.monotonic()
+    sim.topo.kill9(coordinator.proc.pid)
+    assert coordinator.proc.wait(5.0) is not None
+    restarted = sim._start(COORDINATOR_HOST, sim.m.coordinator, coordinator.identity, indexed=False, claim_mount=None)
+    sim.coordinator = restarted
+    sim.run_until(lambda: all(first[i].exit_code is not None for i in range(WORLD)), podsim.RUN_S,
+                  "every first worker pod to end")
+    codes = {i: first[i].exit_code for i in range(WORLD)}
+    sim.run_until(lambda: sim.succeeded == set(range(WORLD)), 2 * k8s_jobs.BACKOFF_BASE_S + podsim.RUN_S,
+                  "every index to succeed")
+    done_s = time.monotonic() - killed
+    outcome_table.add(fault="kill -9 the coordinator pod (recoverable/)", expected="workers exit 3, recreated, exit 0",
+                      time=done_s, outcome="exit " + ", ".join(f"{p.identity.name}:{p.exit_code}" for p in sim.history),
+                      bound="", setup_s=sim.topo.setup_s or 0.0, teardown_s="")
+    print(f"\nrecoverable pod simulation: coordinator SIGKILLed after step {KILL_AFTER_STEP}; first workers exited "
+          f"{codes}; every index done {done_s:.1f} s after the kill", flush=True)
+    assert codes == {i: podsim.EXIT_PEER_FAILED for i in range(WORLD)}, sim.report()
+    assert [d.action for _, _, d in sim.decisions] == ["Count"] * WORLD, sim.decisions
+    # The new pods meet at the new coordinator (its first generation) and agree on the checkpoint,
+    # which may be a step or two past the kill: the data plane went on until the ranks noticed.
+    resumed = set()
+    for pod in sim.history[WORLD:]:
+        assert pod.proc.wait(5.0) == 0
+        found = re.search(r"\(generation 0, 0 recoveries, resumed at step (\d+)\)$", pod.proc.stdout(), re.M)
+        assert found, sim.report()
+        resumed.add(int(found.group(1)))
+    (step,) = resumed
+    assert step >= KILL_AFTER_STEP - CHECKPOINT_EVERY and step % CHECKPOINT_EVERY == 0, resumed

@@ -170,40 +170,50 @@ def run(steps: int, elements: int, step_sleep_s: float = 0.0, *, recovery: str =
         # A replacement pod (generation > 0) logs its first good step as a survivor does.
         recovered_at: int | None = step if _generation(comm) else None
         started = time.perf_counter()
-        while True:
-            try:
-                while step < steps:
-                    job_rank = _members(comm)[comm.rank]
-                    send.fill((job_rank + 1) * (step + 1))
-                    comm.all_reduce(send, recv, op="sum")
-                    expected = sum(m + 1 for m in _members(comm)) * (step + 1)
-                    # Comparing on the array's own device keeps the check cheap; bool() waits for the stream.
-                    if not bool((recv == expected).all()):
-                        raise RuntimeError(f"rank {comm.rank}: step {step + 1} all_reduce gave {float(recv[0])}, "
-                                           f"expected {expected}")
-                    step += 1
-                    if recovered_at is not None:
-                        log.info("rank %d: first good step of generation %d: step %d (resumed at step %d)",
-                                 comm.rank, _generation(comm), step, recovered_at)
-                        recovered_at = None
-                    if checkpoint is not None and comm.rank == 0 and (step % checkpoint_every == 0 or step == steps):
-                        checkpoint.save(step, comm)
-                    if step_sleep_s > 0:
-                        log.info("rank %d: step %d of %d done", comm.rank, step, steps)
-                        time.sleep(step_sleep_s)
-                comm.barrier("train-done")
-                break
-            except gridcomm.RankFailedError as exc:
-                # Recovery needs a live coordinator: without one there is nothing to rebuild around.
-                if recovery == "off" or isinstance(exc, gridcomm.CoordinatorUnavailable) or recoveries >= max_recoveries:
-                    raise
-                recoveries += 1
-                log.warning("rank %d: %s: %s; recovering with %s() (%d of at most %d)", comm.rank,
-                            type(exc).__name__, exc, recovery, recoveries, max_recoveries)
-                current.comm = comm = _recover(comm, recovery, recovery_timeout_s, max_recoveries - recoveries + 1)
-                recovered_at = step = _resume(comm, xp, checkpoint)
-                log.info("rank %d of %d: generation %d, members %s, resuming at step %d", comm.rank, comm.world_size,
-                         _generation(comm), list(_members(comm)), step)
+        try:
+            while True:
+                try:
+                    while step < steps:
+                        job_rank = _members(comm)[comm.rank]
+                        send.fill((job_rank + 1) * (step + 1))
+                        comm.all_reduce(send, recv, op="sum")
+                        expected = sum(m + 1 for m in _members(comm)) * (step + 1)
+                        # Comparing on the array's own device keeps the check cheap; bool() waits for the stream.
+                        if not bool((recv == expected).all()):
+                            raise RuntimeError(f"rank {comm.rank}: step {step + 1} all_reduce gave {float(recv[0])}, "
+                                               f"expected {expected}")
+                        step += 1
+                        if recovered_at is not None:
+                            log.info("rank %d: first good step of generation %d: step %d (resumed at step %d)",
+                                     comm.rank, _generation(comm), step, recovered_at)
+                            recovered_at = None
+                        if checkpoint is not None and comm.rank == 0 and (step % checkpoint_every == 0 or step == steps):
+                            checkpoint.save(step, comm)
+                        if step_sleep_s > 0:
+                            log.info("rank %d: step %d of %d done", comm.rank, step, steps)
+                            time.sleep(step_sleep_s)
+                    comm.barrier("train-done")
+                    break
+                except gridcomm.RankFailedError as exc:
+                    # Recovery needs a live coordinator: without one there is nothing to rebuild around.
+                    if recovery == "off" or isinstance(exc, gridcomm.CoordinatorUnavailable) or recoveries >= max_recoveries:
+                        raise
+                    recoveries += 1
+                    log.warning("rank %d: %s: %s; recovering with %s() (%d of at most %d)", comm.rank,
+                                type(exc).__name__, exc, recovery, recoveries, max_recoveries)
+                    current.comm = comm = _recover(comm, recovery, recovery_timeout_s, max_recoveries - recoveries + 1)
+                    recovered_at = step = _resume(comm, xp, checkpoint)
+                    log.info("rank %d of %d: generation %d, members %s, resuming at step %d", comm.rank, comm.world_size,
+                             _generation(comm), list(_members(comm)), step)
+        except gridcomm.ConfigError as exc:
+            # A rank that had joined refused as if misconfigured: the coordinator lost the job's state
+            # (its pod was restarted) and answers FAILED_PRECONDITION, which gridcomm raises as
+            # ConfigError. Not this pod's configuration: exit 3, so that the Job restarts the index and
+            # the new pods meet at the new coordinator. A wrong argument (ArgumentError) is this script's.
+            if isinstance(exc, gridcomm.ArgumentError):
+                raise
+            raise gridcomm.CoordinatorUnavailable(f"the coordinator refused rank {comm.rank} after the rendezvous: "
+                                                  f"{exc}") from exc
         elapsed = time.perf_counter() - started
         extra = f" (generation {_generation(comm)}, {recoveries} recoveries, resumed at step {first})" \
             if recovery != "off" else ""
