@@ -154,6 +154,31 @@ def _recover(comm: Any, mode: str, timeout_s: float | None, attempts: int) -> An
     raise AssertionError("unreachable")
 
 
+def _train_from(comm: Any, step: int, steps: int, send: Any, recv: Any, *, checkpoint: Checkpoint | None,
+                checkpoint_every: int, step_sleep_s: float, announce: bool) -> None:
+    """Steps ``step + 1`` to ``steps``, each sum checked, then the closing barrier. ``announce``
+    logs the first good step (after a recovery, or in a replacement pod)."""
+    members = _members(comm)
+    while step < steps:
+        send.fill((members[comm.rank] + 1) * (step + 1))
+        comm.all_reduce(send, recv, op="sum")
+        expected = sum(m + 1 for m in members) * (step + 1)
+        # Comparing on the array's own device keeps the check cheap; bool() waits for the stream.
+        if not bool((recv == expected).all()):
+            raise RuntimeError(f"rank {comm.rank}: step {step + 1} all_reduce gave {float(recv[0])}, expected {expected}")
+        step += 1
+        if announce:
+            log.info("rank %d: first good step of generation %d: step %d (resumed at step %d)", comm.rank,
+                     _generation(comm), step, step - 1)
+            announce = False
+        if checkpoint is not None and comm.rank == 0 and (step % checkpoint_every == 0 or step == steps):
+            checkpoint.save(step, comm)
+        if step_sleep_s > 0:
+            log.info("rank %d: step %d of %d done", comm.rank, step, steps)
+            time.sleep(step_sleep_s)
+    comm.barrier("train-done")
+
+
 def run(steps: int, elements: int, step_sleep_s: float = 0.0, *, recovery: str = "off",
         checkpoint_dir: str | None = None, checkpoint_every: int = 5, recovery_timeout_s: float | None = None,
         max_recoveries: int = 5) -> None:
@@ -167,32 +192,15 @@ def run(steps: int, elements: int, step_sleep_s: float = 0.0, *, recovery: str =
         recv = xp.empty_like(send)
         recoveries = 0
         first = step = _resume(comm, xp, checkpoint)
+        options: dict[str, Any] = {"checkpoint": checkpoint, "checkpoint_every": checkpoint_every,
+                                   "step_sleep_s": step_sleep_s}
         # A replacement pod (generation > 0) logs its first good step as a survivor does.
-        recovered_at: int | None = step if _generation(comm) else None
+        announce = _generation(comm) > 0
         started = time.perf_counter()
         try:
             while True:
                 try:
-                    while step < steps:
-                        job_rank = _members(comm)[comm.rank]
-                        send.fill((job_rank + 1) * (step + 1))
-                        comm.all_reduce(send, recv, op="sum")
-                        expected = sum(m + 1 for m in _members(comm)) * (step + 1)
-                        # Comparing on the array's own device keeps the check cheap; bool() waits for the stream.
-                        if not bool((recv == expected).all()):
-                            raise RuntimeError(f"rank {comm.rank}: step {step + 1} all_reduce gave {float(recv[0])}, "
-                                               f"expected {expected}")
-                        step += 1
-                        if recovered_at is not None:
-                            log.info("rank %d: first good step of generation %d: step %d (resumed at step %d)",
-                                     comm.rank, _generation(comm), step, recovered_at)
-                            recovered_at = None
-                        if checkpoint is not None and comm.rank == 0 and (step % checkpoint_every == 0 or step == steps):
-                            checkpoint.save(step, comm)
-                        if step_sleep_s > 0:
-                            log.info("rank %d: step %d of %d done", comm.rank, step, steps)
-                            time.sleep(step_sleep_s)
-                    comm.barrier("train-done")
+                    _train_from(comm, step, steps, send, recv, announce=announce, **options)
                     break
                 except gridcomm.RankFailedError as exc:
                     # Recovery needs a live coordinator: without one there is nothing to rebuild around.
@@ -202,7 +210,7 @@ def run(steps: int, elements: int, step_sleep_s: float = 0.0, *, recovery: str =
                     log.warning("rank %d: %s: %s; recovering with %s() (%d of at most %d)", comm.rank,
                                 type(exc).__name__, exc, recovery, recoveries, max_recoveries)
                     current.comm = comm = _recover(comm, recovery, recovery_timeout_s, max_recoveries - recoveries + 1)
-                    recovered_at = step = _resume(comm, xp, checkpoint)
+                    step, announce = _resume(comm, xp, checkpoint), True
                     log.info("rank %d of %d: generation %d, members %s, resuming at step %d", comm.rank, comm.world_size,
                              _generation(comm), list(_members(comm)), step)
         except gridcomm.ConfigError as exc:
@@ -225,7 +233,7 @@ def _settings() -> dict[str, Any]:
     """train.py's own TRAIN_* settings; a wrong value is a configuration error (exit code 2)."""
     env = os.environ
     try:
-        settings = {
+        settings: dict[str, Any] = {
             "steps": int(env.get("TRAIN_STEPS", "10")),
             "elements": int(env.get("TRAIN_ELEMENTS", str(1 << 20))),
             "step_sleep_s": float(env.get("TRAIN_STEP_SLEEP_S", "0")),
