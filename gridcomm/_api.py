@@ -139,8 +139,9 @@ class Job:
                  self.kind, time.monotonic() - started, self.client.generation)
         return comm
 
-    def _communicator(self) -> Communicator:
-        """The communicator of the client's current generation (its members, this rank's place)."""
+    def _communicator(self, timeout_s: float | None = None) -> Communicator:
+        """The communicator of the client's current generation (its members, this rank's place);
+        ``timeout_s`` bounds the backend's creation (default: the job's timeout)."""
         client = self.client
         assert client is not None
         members = client.members
@@ -152,7 +153,8 @@ class Job:
                                 shm=_config.shared_memory())
         everyone = len(members) == self.world_size
         impl = build_backend(self.kind, client, "world", rank, len(members), plane=plane,
-                             participants=() if everyone else members, failed=lambda: client.failure)
+                             participants=() if everyone else members, failed=lambda: client.failure,
+                             timeout_s=timeout_s)
         comm = Communicator(impl, client, coordinator=self.coordinator, grace_s=min(60.0, self.wait_s),
                             health=self.health, members=members, job=self, generation=client.generation)
         if self.embedded:
@@ -166,8 +168,10 @@ class Job:
         client = self.client
         assert client is not None
         started = time.monotonic()
-        client.recover(mode, self.wait_s if timeout_s is None else timeout_s)
-        comm = self._communicator()
+        budget = self.wait_s if timeout_s is None else _config.parse_duration("timeout_s", timeout_s)
+        client.recover(mode, budget)
+        # Why what is left: the caller's bound covers the whole recovery, NCCL's creation included.
+        comm = self._communicator(max(1.0, budget - (time.monotonic() - started)))
         log.warning("rank %d: %s() done in %.3f s: generation %d, %d ranks (job ranks %s)", self.rank, mode,
                     time.monotonic() - started, client.generation, comm.world_size, list(comm.members)[:16])
         return comm

@@ -38,12 +38,13 @@ COLLECTIVES = ("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gathe
 
 def build_backend(kind: str, client: CoordinatorClient, name: str, rank: int, size: int, *,
                   plane: PlaneConfig | None = None, participants: Sequence[int] = (),
-                  failed: Callable[[], BaseException | None] = lambda: None) -> Any:
+                  failed: Callable[[], BaseException | None] = lambda: None, timeout_s: float | None = None) -> Any:
     """Creates this rank's backend for communicator ``name``; for NCCL, its rank 0 makes the unique
     ID (the NCCL bootstrap root lives in the creating process) and the others fetch it. The host
     backend publishes its data-plane address (``plane``) and waits, with the ``participants``
     (job ranks; empty: all), until every member has. ``failed()`` returns the failure this rank's
-    watcher has seen (or None): a backend that waits for its peers gives up when it is set."""
+    watcher has seen (or None): a backend that waits for its peers gives up when it is set.
+    ``timeout_s`` bounds NCCL's creation (default: the client's timeout)."""
     if kind == "host":
         from gridcomm._host import HostBackend
 
@@ -53,7 +54,7 @@ def build_backend(kind: str, client: CoordinatorClient, name: str, rank: int, si
         return HostBackend(client, name, rank, size, config=plane, participants=participants)
     from gridcomm import _nccl
 
-    return _nccl.connect(client, name, rank, size, failed=failed)
+    return _nccl.connect(client, name, rank, size, failed=failed, timeout_s=timeout_s)
 
 
 class Communicator:
@@ -240,8 +241,10 @@ class Communicator:
             return None
         members = [self.members[r] for r in ranks]
         if backend is None:
-            backend = build_backend(self.backend, self._client, name, new_rank, len(ranks),
-                                    plane=getattr(self._backend, "config", None), participants=sorted(members))
+            client = self._client
+            backend = build_backend(self.backend, client, name, new_rank, len(ranks),
+                                    plane=getattr(self._backend, "config", None), participants=sorted(members),
+                                    failed=lambda: client.failure)
         child = Communicator(backend, self._client, name=name, members=members, parent=self)
         self._children.append(child)
         return child

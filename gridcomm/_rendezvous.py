@@ -248,7 +248,7 @@ class JobState:
         if old is not None and old.incarnation == incarnation:
             # The same process re-polling after it was admitted (or before a failure it must hear of).
             old.last_seen = now
-            if self._failed and old.state is MemberState.JOINED:
+            if self._failed:
                 raise self._failure_error(f"rank {rank} cannot join")
             return False
         recovery = self.recovery

@@ -194,7 +194,10 @@ except gridcomm.GridcommError as exc:
     assert "REFUSED ConfigError" in r_again[1].stdout and "held by a live process" in r_again[1].stdout, \
         report(r_again)
     kind, failed, _, msg = outcomes(r_first, [0])[0]
-    assert kind == "RankFailedError" and failed == "1" and "lost its connection" in msg, report(r_first)
+    # Its death is seen by whichever comes first on a loaded machine: the dropped connection or
+    # the missing heartbeats.
+    assert kind == "RankFailedError" and failed == "1" and ("lost its connection" in msg or "no heartbeat" in msg), \
+        report(r_first)
 
 
 @pytest.mark.timeout(90)

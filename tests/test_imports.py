@@ -32,7 +32,7 @@ LAYERS = {
     "_channel": 3.5,
     "_session": 3.7,
     "_client": 4,
-    "_liveness": 4.5,
+    "_liveness": 3.8,  # the watcher a joined client starts (it reads the client through a Protocol)
     "_health": 4.5,
     "_validate": 5,
     "_nccl": 5,

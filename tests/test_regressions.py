@@ -18,12 +18,12 @@ from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from tests.support.calls import (
     ABORTED,
     DEADLINE,
+    EXISTS,
     FAILED_KEY,
     INVALID,
     METHODS,
     MISSING_KEY,
     OK,
-    PRECONDITION,
     UNDECODABLE,
     Outcome,
     assert_proper,
@@ -159,28 +159,43 @@ def test_huge_barrier_name_after_a_failure_gets_a_readable_refusal():
 
 
 @pytest.mark.timeout(60)
-def test_restarted_rank_turns_health_not_serving():
-    # Reproducer (world size 2, both joined): rank 1: Barrier("b", seq=1, wait_s=5) waits; a new process
-    #   joins as rank 0 with another incarnation -> FAILED_PRECONDITION, gridcomm-failed-rank: 0 (right);
-    #   but health stays SERVING (1), Status.serving stays true, and rank 1's barrier ends only when
-    #   its own 5 s wait does, instead of with ABORTED at once.
+def test_a_new_process_for_a_live_rank_fails_nobody_and_becomes_the_replacement_after_its_death():
+    # Was (before issue 17): a new process for a joined rank failed that rank at once (and health
+    # had to go NOT_SERVING with it). Now (world size 2, both joined, rank 1 waiting in a barrier):
+    #   Join(rank 0, new incarnation, wait_s=0) -> DEADLINE_EXCEEDED, missing [0] (its predecessor
+    #     has not been heard from since); nobody failed, the barrier still waits, health SERVING;
+    #   the same join, wait_s=5, while the old rank 0 heartbeats -> ALREADY_EXISTS ("live process");
+    #   old rank 0 reports a failure -> the barrier ends ABORTED naming 0 at once, and the new
+    #     process is the replacement: it waits for the survivors' recovery (missing [1]).
     with joined(2) as (channel, job):
         stub = pb_grpc.CoordinatorStub(channel)
-        _, c1 = job.valid_callers()
-        with ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(call_unary, stub.Barrier, pb.BarrierRequest(caller=c1, name="b", seq=1, wait_s=5.0))
+        c0, c1 = job.valid_callers()
+        new = pb.JoinRequest(job_id=job.job_id, rank=0, world_size=2, incarnation=999, hostname="restarted")
+        with ThreadPoolExecutor(2) as pool:
+            waiting = pool.submit(call_unary, stub.Barrier, pb.BarrierRequest(caller=c1, name="b", seq=1, wait_s=10.0))
             parked_by = time.monotonic() + 5.0
             while not any(b.name == "b" for b in call_unary(stub.Status, pb.StatusRequest()).response.barriers):
                 assert time.monotonic() < parked_by, "rank 1 never arrived at the barrier"
                 time.sleep(0.01)
-            out = call_unary(stub.Join, pb.JoinRequest(job_id=job.job_id, rank=0, world_size=2, incarnation=999,
-                                                       hostname="restarted", wait_s=0.0))
-            assert (out.code, out.trailing.get(FAILED_KEY)) == (PRECONDITION, "0"), out
-            barrier = waiting.result(timeout=15)
+            out = call_unary(stub.Join, new)
+            assert (out.code, out.trailing.get(MISSING_KEY)) == (DEADLINE, "0"), out
+            assert "not been heard from" in out.details, out.details
+            assert not call_unary(stub.Status, pb.StatusRequest()).response.failures
+            assert_serving(channel, serving=True)
+            refused = pool.submit(call_unary, stub.Join, _copy(new, wait_s=5.0))
+            beat_by = time.monotonic() + 5.0
+            while not refused.done():  # the old process's heartbeats (what its watcher sends)
+                assert call_unary(stub.Heartbeat, pb.HeartbeatRequest(caller=c0, wait_s=0.0)).code is OK
+                assert time.monotonic() < beat_by, "the join was not answered after the old process heartbeat"
+                time.sleep(0.05)
+            assert refused.result().code is EXISTS and "live process" in refused.result().details, refused.result()
+            assert not waiting.done()
+            assert call_unary(stub.ReportFailure, pb.ReportFailureRequest(caller=c0, reason="crashed")).code is OK
+            barrier = waiting.result(timeout=5)
         assert barrier.code is ABORTED and barrier.trailing.get(FAILED_KEY) == "0", barrier
-        assert barrier.elapsed_s < 3.0, barrier
         assert_serving(channel, serving=False)
-        assert not call_unary(stub.Status, pb.StatusRequest()).response.serving
+        out = call_unary(stub.Join, _copy(new, wait_s=0.5))
+        assert (out.code, out.trailing.get(MISSING_KEY)) == (DEADLINE, "1"), out
 
 
 @pytest.mark.timeout(60)

@@ -5,7 +5,7 @@ which statuses each request may get, and the driver that sends steps and follows
 Job ids go up to ``_FUZZ_TEXT_MAX`` (20,000 characters). Some step-arounds written
 while bugs were open remain as narrower judging, each saying which test it defers to: long
 failure reasons stay ASCII; a barrier name a refused arrival named is judged no further
-(``Job.dead_names``); health after a restarted rank is not judged; :path values are UTF-8."""
+(``Job.dead_names``); :path values are UTF-8."""
 
 
 
@@ -236,14 +236,15 @@ class Job:
         #: Names a refused arrival may have polluted on a server with the refused-open bug
         #: (test_refused_barrier_arrival_leaves_no_trace); only generic checks apply to them.
         self.dead_names: set[str] = set()
-        #: Ranks failed because a restarted process joined in their name. Health and Status may
-        #: miss those failures today (test_restarted_rank_turns_health_not_serving pins it).
-        self.restarted: set[int] = set()
+        #: Replacements waiting for the next generation (rank -> incarnation): new processes for
+        #: failed ranks (issue 17). This driver's survivors never recover, so they wait, unless
+        #: every rank is replaced (then the job restarts in place as the next generation).
+        self.replacing: dict[int, int] = {}
 
     @property
     def serving_known(self) -> bool:
-        """Whether the model can say what health must be."""
-        return not self.failed or not set(self.failed) <= self.restarted
+        """Whether the model can say what health must be (always, since issue 17)."""
+        return True
 
     # ---------------------------------------------------------------- identity
     @property
@@ -294,22 +295,37 @@ class Job:
             self.expect(out, {INVALID}, what)
             return
         allowed = {INVALID} if host is None else set()
+        rank = req.rank
+        old = self.incarnations.get(rank)
+        if self.complete and old is not None and old != req.incarnation:
+            # A new process for a rank of the running job (issue 17). For a failed rank (or one
+            # that left, once some rank failed) it is the replacement and waits for the survivors'
+            # recovery; for a live rank it waits (bounded) to be told that rank is alive, which
+            # this driver's silent ranks never show, so it hears the wait answer; for a rank that
+            # left of a job with no failure, it is refused. Nobody is failed by it.
+            if rank in self.failed or (self.failed and rank in self.left):
+                self.expect(out, allowed | {DEADLINE, OK}, what)
+                if out.code in (DEADLINE, OK):
+                    self.replacing[rank] = req.incarnation
+                if out.code is OK:
+                    # Every rank failed or left and each has a replacement now: a new generation.
+                    assert len(self.replacing) == self.world_size, f"{what}: admitted with survivors waiting"
+                    self.incarnations, self.replacing = dict(self.replacing), {}
+                    self.generation += 1
+                    self.failed, self.left, self.kv, self.barriers = [], set(), {}, {}
+                    assert out.response.generation == self.generation, f"{what}: {out.response}"
+            elif rank in self.left:
+                self.expect(out, allowed | {PRECONDITION}, what)
+            else:
+                self.expect(out, allowed | {DEADLINE, EXISTS}, what)
+                if out.code is DEADLINE:
+                    assert out.trailing.get(MISSING_KEY) == str(rank), f"{what}: {out.trailing}"
+            return
         if self.failed:
             self.expect(out, allowed | {ABORTED}, what)
             self.check_aborted(out, what)
             return
-        rank = req.rank
-        old = self.incarnations.get(rank)
         if old is not None and old != req.incarnation:
-            if self.complete:
-                # A restarted process after the rendezvous: refused, and the rank is failed.
-                self.expect(out, allowed | {PRECONDITION}, what)
-                if out.code is PRECONDITION:
-                    assert out.trailing.get(FAILED_KEY) == str(rank), f"{what}: {out.trailing}"
-                    if rank not in self.left:
-                        self.failed.append(rank)
-                        self.restarted.add(rank)
-                return
             idle = time.monotonic() - self.last_seen.get(rank, 0.0)
             # The contract: a live holder keeps its rank; one silent for the stale bound (2 s) may be
             # replaced. Timing in between is left to the server.
@@ -330,9 +346,19 @@ class Job:
                 self.generation = max(self.generation, 1)
             self._check_join_answer(out, what)
 
+    def missing(self) -> list[int]:
+        """Whom the forming generation waits for: the first rendezvous's missing ranks, or, while
+        replacements wait, the survivors (none of which recovers here) and the unreplaced."""
+        if not self.complete:
+            return [r for r in range(self.world_size) if r not in self.incarnations]
+        if not self.replacing:
+            return []
+        return [r for r in range(self.world_size)
+                if (r not in self.failed and r not in self.left) or r not in self.replacing]
+
     def _check_join_answer(self, out: Outcome, what: str) -> None:
         if out.code is OK:
-            assert out.response.generation == self.generation == 1, f"{what}: generation {out.response.generation}"
+            assert out.response.generation == self.generation >= 1, f"{what}: generation {out.response.generation}"
             assert out.response.world_size == self.world_size, f"{what}: {out.response}"
             # Members may be left out of the answer (Status lists them); any listed must be right.
             members = {m.rank: m.incarnation for m in out.response.members}
@@ -496,7 +522,7 @@ class Job:
         s = out.response
         assert (s.job_id, s.world_size, s.generation) == (self.job_id, self.world_size, self.generation), f"{what}: {s}"
         assert {m.rank: m.incarnation for m in s.members} == self.incarnations, f"{what}: members {s.members}"
-        assert list(s.missing_ranks) == [r for r in range(self.world_size) if r not in self.incarnations], what
+        assert list(s.missing_ranks) == self.missing(), what
         assert [f.rank for f in s.failures] == self.failed, f"{what}: failures {s.failures}"
         if self.serving_known:
             assert s.serving == (not self.failed), f"{what}: serving={s.serving} with failures {self.failed}"
