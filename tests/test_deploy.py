@@ -11,11 +11,12 @@ from __future__ import annotations
 import ast
 import copy
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jsonschema
@@ -25,7 +26,9 @@ import yaml
 from yamllint import linter
 from yamllint.config import YamlLintConfig
 
-from gridcomm import _cluster, _config
+from gridcomm import _cli, _cluster, _config
+from gridcomm import _errors as gridcomm_errors
+from tests.support import k8s_jobs
 from tests.support.procs import ROOT
 
 DEPLOY = os.path.join(ROOT, "deploy")
@@ -88,6 +91,9 @@ class Manifests:
         self.job_metrics, self.jobset_metrics = one["job/metrics-service.yaml"], one["jobset/metrics-service.yaml"]
         self.jobset, self.servicemonitor = one["jobset/jobset.yaml"], one["monitoring/servicemonitor.yaml"]
         (self.rjob,) = self.jobset["spec"]["replicatedJobs"]
+        self.coordinator, self.coordinator_service = one["recoverable/coordinator.yaml"], one["recoverable/coordinator-service.yaml"]
+        self.checkpoints, self.recoverable_job = one["recoverable/checkpoints.yaml"], one["recoverable/job.yaml"]
+        self.recoverable_metrics = one["recoverable/metrics-service.yaml"]
 
     def pod_specs(self) -> Iterator[tuple[str, dict]]:
         yield "Job", self.job["spec"]["template"]["spec"]
@@ -133,14 +139,16 @@ def test_generator_backends_are_the_librarys():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("extra, kinds", [([], ["Service", "Job", "Service"]), (["--jobset"], ["JobSet", "Service"]),
-                                          (["--servicemonitor"], ["ServiceMonitor"])])
+                                          (["--servicemonitor"], ["ServiceMonitor"]),
+                                          (["--recoverable"], ["Deployment", "Service", "PersistentVolumeClaim", "Job",
+                                                               "Service"])])
 def test_generator_command_line_prints_what_kubectl_applies(extra: list[str], kinds: list[str]):
     out = subprocess.run([sys.executable, os.path.join(K8S, "generate.py"), "--name", "demo", "--world-size", "3", *extra],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     docs = list(yaml.safe_load_all(out.stdout))
     assert sorted(d["kind"] for d in docs) == sorted(kinds)
-    assert {d["metadata"]["name"] for d in docs} <= {"demo", "demo-metrics"}
+    assert {d["metadata"]["name"] for d in docs} <= {"demo", "demo-metrics", "demo-coordinator", "demo-checkpoints"}
 
 
 def test_one_folder_per_kubectl_apply():
@@ -148,9 +156,10 @@ def test_one_folder_per_kubectl_apply():
     Indexed Job without the JobSet, and the other way round; no folder holds a Secret."""
     assert not [n for n in os.listdir(K8S) if n.endswith((".yaml", ".yml", ".json"))]
     kinds = {folder: sorted(d["kind"] for name, text in SETS["committed"].items() if name.startswith(folder + "/")
-                            for d in _docs(text)) for folder in ("job", "jobset", "monitoring")}
+                            for d in _docs(text)) for folder in ("job", "jobset", "monitoring", "recoverable")}
     assert kinds == {"job": ["Job", "Service", "Service"], "jobset": ["JobSet", "Service"],
-                     "monitoring": ["ServiceMonitor"]}
+                     "monitoring": ["ServiceMonitor"],
+                     "recoverable": ["Deployment", "Job", "PersistentVolumeClaim", "Service", "Service"]}
     assert not any(d["kind"] == "Secret" for text in SETS["committed"].values() for d in _docs(text))
 
 
@@ -494,3 +503,289 @@ def test_metrics_services_select_rank_zero_and_the_servicemonitor_finds_them(m: 
     (endpoint,) = m.servicemonitor["spec"]["endpoints"]
     assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
     assert m.servicemonitor["apiVersion"] == "monitoring.coreos.com/v1"
+
+
+# --- the recoverable variant (recoverable/) -----------------------------------------------------------
+
+def _validated_at(version: str) -> str:
+    """kubernetes-validate's schemas start at 1.25: an older stated minimum is checked there."""
+    def key(v: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in v.split(".")[:2])
+    oldest = ".".join(map(str, min(key(v) for v in kubernetes_validate.utils.all_versions())))
+    return max(version, oldest, key=key)
+
+
+@pytest.mark.parametrize("path", sorted(generate.MIN_KUBERNETES_RECOVERABLE))
+def test_recoverable_manifests_validate_at_their_stated_minimum_and_newest(m: Manifests, path: str):
+    (doc,) = m.by_file[path]
+    minimum = generate.MIN_KUBERNETES_RECOVERABLE[path]
+    for version in (_validated_at(minimum), kubernetes_validate.latest_version()):
+        kubernetes_validate.validate(doc, version, strict=True)
+    # Each file says what it needs, and so does deploy/README.md.
+    assert f"# Needs Kubernetes {minimum} or newer" in m.files[path], path
+    readme = open(os.path.join(DEPLOY, "README.md"), encoding="utf-8").read()
+    assert re.search(rf"`k8s/{re.escape(path)}`.*\\| {re.escape(minimum)} \\|", readme), f"README's table lacks {path} ({minimum})"
+
+
+def test_recoverable_job_minimum_is_where_its_fields_are_beta():
+    """backoffLimitPerIndex, maxFailedIndexes and podReplacementPolicy are alpha, off by default, in
+    1.28 and beta, on by default, from 1.29 (KEP-3850 and KEP-3939 metadata): the Job's stated
+    minimum is 1.29, the variant's (deploy/README.md) that of its most demanding file."""
+    assert generate.MIN_KUBERNETES_RECOVERABLE["recoverable/job.yaml"] == "1.29"
+    spec = SETS["committed"]["recoverable/job.yaml"]
+    for field in ("backoffLimitPerIndex", "maxFailedIndexes", "podReplacementPolicy", "podFailurePolicy"):
+        assert f"  {field}:" in spec, field
+    readme = open(os.path.join(DEPLOY, "README.md"), encoding="utf-8").read()
+    assert "recoverable variant needs Kubernetes 1.29" in readme
+
+
+def test_recoverable_job_restarts_a_lost_index_and_fails_on_what_no_retry_fixes(m: Manifests):
+    """The podFailurePolicy's meaning, through what the Job controller would decide for each way a
+    pod of the recoverable Job can end (tests/support/k8s_jobs.py)."""
+    job = m.recoverable_job
+    spec = job["spec"]
+    pod_spec = spec["template"]["spec"]
+    container = _worker(pod_spec)["name"]
+    assert (spec["completionMode"], pod_spec["restartPolicy"], spec["podReplacementPolicy"]) == ("Indexed", "Never", "Failed")
+    assert spec["backoffLimitPerIndex"] == generate.BACKOFF_LIMIT_PER_INDEX >= 1 and spec["maxFailedIndexes"] == 0
+    assert "backoffLimit" not in spec, "backoffLimitPerIndex bounds retries; a Job-wide limit would cut them short"
+    named = {code for r in spec["podFailurePolicy"]["rules"] if "onExitCodes" in r for code in r["onExitCodes"]["values"]}
+    assert named == {train.EXIT_CONFIG_ERROR, train.EXIT_PEER_FAILED}, "the rules name train.py's exit codes"
+    assert {r["onExitCodes"]["containerName"] for r in spec["podFailurePolicy"]["rules"] if "onExitCodes" in r} == {container}
+
+    def first_failure(exit_code: int | None, conditions: tuple = ()) -> k8s_jobs.Decision:
+        return k8s_jobs.on_pod_failure(job, k8s_jobs.IndexState(1), 0, container, exit_code, conditions)
+
+    sigkill, oom = 128 + 9, 137
+    disrupted = (("DisruptionTarget", "True"),)
+    # A SIGKILLed, OOM-killed or crashed pod: its index is recreated (10 s later) and counted.
+    for code in (sigkill, oom, 1):
+        decision = first_failure(code)
+        assert (decision.action, decision.recreate, decision.delay_s, decision.job_failed) == ("Count", True, 10.0, "")
+    # A survivor that gave up recovering (exit 3): retried, counted, never fails the Job by itself.
+    decision = first_failure(train.EXIT_PEER_FAILED)
+    assert (decision.action, decision.recreate, decision.job_failed) == ("Count", True, "")
+    # Preempted, drained, evicted (DisruptionTarget), whatever its exit code: recreated, not counted.
+    for code in (sigkill, train.EXIT_PEER_FAILED, train.EXIT_CONFIG_ERROR, 143):
+        decision = first_failure(code, disrupted)
+        assert (decision.action, decision.recreate, decision.job_failed) == ("Ignore", True, ""), code
+    # A configuration error is the same in every pod: the Job fails at once.
+    assert first_failure(train.EXIT_CONFIG_ERROR).job_failed == "PodFailurePolicy"
+    # A real bug (exit 1 each time): backoffLimitPerIndex retries, then the index and the Job fail.
+    state = k8s_jobs.IndexState(1)
+    decisions = [k8s_jobs.on_pod_failure(job, state, 0, container, 1) for _ in range(spec["backoffLimitPerIndex"] + 1)]
+    assert [d.recreate for d in decisions] == [True] * spec["backoffLimitPerIndex"] + [False]
+    assert [d.delay_s for d in decisions[:-1]] == [10.0 * 2 ** i for i in range(spec["backoffLimitPerIndex"])]
+    assert decisions[-1].job_failed == "MaxFailedIndexesExceeded" and state.failed
+    # Ignored disruptions do not use the budget up.
+    state = k8s_jobs.IndexState(1)
+    for _ in range(10):
+        assert k8s_jobs.on_pod_failure(job, state, 0, container, sigkill, disrupted).recreate
+    assert state.counted == 0
+
+
+def test_recoverable_workers_dial_the_coordinator_pod(m: Manifests):
+    job, deployment, service = m.recoverable_job, m.coordinator, m.coordinator_service
+    worker = _worker(job["spec"]["template"]["spec"])
+    env = _literal_env(worker)
+    assert _config.coordinator_mode(environ=env) == "external"
+    host, port = _config.coordinator_address(environ=env)
+    assert host == service["metadata"]["name"] and service["spec"].get("clusterIP") != "None"
+    (svc_port,) = service["spec"]["ports"]
+    assert svc_port["port"] == port == generate.COORDINATOR_PORT and service["spec"]["publishNotReadyAddresses"] is True
+    coordinator_pod = deployment["spec"]["template"]
+    (server,) = coordinator_pod["spec"]["containers"]
+    assert service["spec"]["selector"].items() <= coordinator_pod["metadata"]["labels"].items()
+    assert not service["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items(), \
+        "the coordinator Service must not select the workers"
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= coordinator_pod["metadata"]["labels"].items()
+    names = {p["name"]: p["containerPort"] for p in server["ports"]}
+    assert names[svc_port["targetPort"]] == port
+    # One coordinator, never two at once, serving the workers' world size, job id and token.
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert server["command"][0] == "gridcomm"
+    serve = _cli._build_parser().parse_args(server["command"][1:])
+    server_env = _literal_env(server)
+    assert serve.command == "serve"
+    assert _config.world_size(serve.world_size) == job["spec"]["completions"] == job["spec"]["parallelism"] \
+        == _config.world_size(environ=env)
+    assert _config.coordinator_address("x", serve.port, environ=server_env)[1] == port
+    assert _config.job_id(serve.job_id, environ=server_env) == _config.job_id(environ=env)
+    assert _config.metrics_port(serve.metrics_port, environ=server_env) == names["metrics"] == generate.METRICS_PORT
+    worker_token = [v for v in job["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+    server_token = [v for v in coordinator_pod["spec"]["volumes"] if "secret" in v]
+    assert worker_token == server_token and env["GRIDCOMM_TOKEN_FILE"] == server_env["GRIDCOMM_TOKEN_FILE"]
+    # Probes: the coordinator's health port, liveness "" and readiness gridcomm.v1.Coordinator.
+    health = _config.health_port(environ=server_env)
+    probes = {kind: server[kind]["grpc"] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
+    assert all(p["port"] == health == names["health"] for p in probes.values())
+    assert probes["livenessProbe"]["service"] == "" and probes["readinessProbe"]["service"] == "gridcomm.v1.Coordinator"
+    # The coordinator needs no GPU and tolerates no GPU taint.
+    assert "nvidia.com/gpu" not in server["resources"]["requests"] and "tolerations" not in coordinator_pod["spec"]
+
+
+def test_every_pod_of_the_recoverable_job_detects_its_rank_and_the_coordinator(m: Manifests):
+    job = m.recoverable_job
+    container = _worker(job["spec"]["template"]["spec"])
+    size = job["spec"]["completions"]
+    for index in range(size):
+        labels = {"batch.kubernetes.io/controller-uid": "0c6f-uid", "batch.kubernetes.io/job-completion-index": str(index)}
+        env = _kubelet_env(container, index, labels, {"batch.kubernetes.io/job-completion-index": str(index)})
+        hostname = f"{job['metadata']['name']}-{index}"
+        # No subdomain: the pod's FQDN is its bare host name, and nothing needs more.
+        info = _cluster.detect(env, hostname=hostname, fqdn=hostname)
+        assert (info.rank, info.world_size, info.host) == (index, size, m.coordinator_service["metadata"]["name"])
+        assert _config.health_port(environ=env) == container["livenessProbe"]["grpc"]["port"]
+        assert _config.timeout_s(environ=env) >= _config.DEFAULT_TIMEOUT_S
+
+
+def test_recoverable_workers_share_a_checkpoint_volume_train_py_uses(m: Manifests):
+    pod_spec = m.recoverable_job["spec"]["template"]["spec"]
+    worker = _worker(pod_spec)
+    env = _literal_env(worker)
+    assert env["TRAIN_RECOVERY"] in train.RECOVERY_MODES and env["TRAIN_RECOVERY"] != "off"
+    (mount,) = [v for v in worker["volumeMounts"] if v["mountPath"] == env["TRAIN_CHECKPOINT_DIR"]]
+    (volume,) = [v for v in pod_spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["persistentVolumeClaim"]["claimName"] == m.checkpoints["metadata"]["name"]
+    assert "ReadWriteMany" in m.checkpoints["spec"]["accessModes"], "pods on different nodes share it"
+    assert mount.get("readOnly") is not True
+    # The names a worker is given are gridcomm's or train.py's own.
+    read = set(_cluster.ENV_NAMES) | _string_constants(os.path.join(ROOT, "gridcomm", "_config.py")) \
+        | {n for n in _string_constants(os.path.join(DEPLOY, "docker", "train.py")) if n.startswith("TRAIN_")}
+    names = {e["name"] for e in worker["env"]}
+    assert names <= read, sorted(names - read)
+
+
+def test_recoverable_metrics_service_selects_the_coordinator(m: Manifests):
+    service, pod = m.recoverable_metrics, m.coordinator["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert not service["spec"]["selector"].items() <= m.recoverable_job["spec"]["template"]["metadata"]["labels"].items()
+    (port,) = service["spec"]["ports"]
+    (server,) = pod["spec"]["containers"]
+    assert {p["name"]: p["containerPort"] for p in server["ports"]}[port["targetPort"]] == port["port"]
+    assert m.servicemonitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+
+
+def test_recoverable_pods_run_what_the_image_holds(m: Manifests):
+    dockerfile = open(os.path.join(DEPLOY, "docker", "Dockerfile"), encoding="utf-8").read()
+    exposed = {int(p) for p in re.search(r"^EXPOSE (.+)$", dockerfile, re.M).group(1).split()}  # type: ignore[union-attr]
+    pyproject = open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8").read()
+    assert re.search(r'^gridcomm = "gridcomm\._cli:main"$', pyproject, re.M), "the image's `gridcomm` command"
+    for pod_spec in (m.recoverable_job["spec"]["template"]["spec"], m.coordinator["spec"]["template"]["spec"]):
+        (container,) = pod_spec["containers"]
+        assert {p["containerPort"] for p in container["ports"]} <= exposed
+        assert pod_spec["securityContext"]["runAsNonRoot"] is True
+    assert _worker(m.recoverable_job["spec"]["template"]["spec"])["command"] == ["python", "/app/train.py"]
+
+
+def _without_gridcomm(environ: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if not k.startswith(("GRIDCOMM_", "TRAIN_"))}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("env, message", [
+    ({"TRAIN_RECOVERY": "rebuild"}, "needs TRAIN_CHECKPOINT_DIR"),
+    ({"TRAIN_RECOVERY": "sometimes", "TRAIN_CHECKPOINT_DIR": "/tmp"}, "must be one of off, rebuild, shrink"),
+    ({"TRAIN_STEPS": "ten"}, "not a number"),
+])
+def test_train_py_settings_errors_exit_2(env: dict[str, str], message: str):
+    done = subprocess.run([sys.executable, os.path.join(DEPLOY, "docker", "train.py")], capture_output=True, text=True,
+                          env={**_without_gridcomm(os.environ), "PYTHONPATH": ROOT, **env}, timeout=60)
+    assert done.returncode == train.EXIT_CONFIG_ERROR, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+
+
+class _FakeComm:
+    """A one-process stand-in for a Communicator in train.py's loop: its all_reduce answers what
+    every member at the same step would sum to, and it fails on purpose where told."""
+
+    def __init__(self, log: list[str], fail_at: set[int], rank: int = 0, members: tuple[int, ...] = (0, 1, 2),
+                 generation: int = 0, rebuild_failures: int = 0) -> None:
+        self.log, self.fail_at, self.rank, self.members = log, fail_at, rank, members
+        self.world_size, self.generation, self.rebuild_failures = len(members), generation, rebuild_failures
+        self.calls = 0
+
+    def all_reduce(self, send: Any, recv: Any, op: str = "sum") -> None:
+        assert op == "sum"
+        self.calls += 1
+        value = float(send[0]) / (self.members[self.rank] + 1)
+        self.log.append(f"g{self.generation} step {value:g}")
+        if len(self.log) in self.fail_at:
+            self.fail_at.discard(len(self.log))
+            raise gridcomm_errors.RankFailedError("rank 2 failed: killed", rank=2)
+        recv[:] = value * sum(m + 1 for m in self.members)
+
+    def broadcast(self, array: Any, root: int = 0) -> None:
+        self.log.append(f"g{self.generation} broadcast {int(array[0])}")
+
+    def barrier(self, name: str | None = None) -> None:
+        self.log.append(f"g{self.generation} barrier {name}")
+
+    def _next(self, kind: str, members: tuple[int, ...]) -> _FakeComm:
+        self.log.append(f"g{self.generation} {kind}")
+        if self.rebuild_failures:
+            self.rebuild_failures -= 1
+            raise gridcomm_errors.RankFailedError("rank 1 failed during the recovery", rank=1)
+        return _FakeComm(self.log, self.fail_at, members.index(self.members[self.rank]), members, self.generation + 1)
+
+    def rebuild(self, timeout_s: float | None = None) -> _FakeComm:
+        return self._next("rebuild", self.members)
+
+    def shrink(self, timeout_s: float | None = None) -> _FakeComm:
+        return self._next("shrink", tuple(m for m in self.members if m != 2))
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.log.append(f"g{self.generation} exit {type(exc).__name__ if exc else 'clean'}")
+
+
+@pytest.mark.parametrize("mode, fail_at, rebuild_failures, members", [
+    ("rebuild", {8}, 0, (0, 1, 2)),   # fails in step 7 (after the broadcast and 6 steps)
+    ("shrink", {8}, 0, (0, 1)),
+    ("rebuild", {8}, 2, (0, 1, 2)),   # the recovery itself fails twice, then succeeds
+])
+def test_train_py_recovers_from_the_last_checkpoint(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, mode: str,
+                                                    fail_at: set[int], rebuild_failures: int,
+                                                    members: tuple[int, ...]):
+    """train.py's loop against a stand-in communicator: a failure in step 7 makes it recover
+    (rebuild or shrink), go back to the checkpoint of step 5 and finish every step checked."""
+    log: list[str] = []
+    first = _FakeComm(log, set(fail_at), rebuild_failures=rebuild_failures)
+    monkeypatch.setattr(train.gridcomm, "init_process_group", lambda: first)
+    monkeypatch.setenv("GRIDCOMM_BACKEND", "host")
+    train.run(12, 8, recovery=mode, checkpoint_dir=str(tmp_path), checkpoint_every=5)
+    steps = [line.split()[-1] for line in log if " step " in line]
+    assert steps == [str(s) for s in [*range(1, 8), *range(6, 13)]], log
+    assert log.count(f"g0 {mode}") == rebuild_failures + 1 and log[-2:] == ["g1 barrier train-done", "g1 exit clean"]
+    assert "g1 broadcast 5" in log, "the new generation resumes from step 5's checkpoint"
+    saved = json.loads((tmp_path / train.CHECKPOINT_FILE).read_text())
+    assert saved == {"step": 12, "generation": 1, "members": list(members)}
+
+
+def test_train_py_without_recovery_ends_with_the_failure(monkeypatch: pytest.MonkeyPatch, tmp_path: Any):
+    log: list[str] = []
+    monkeypatch.setattr(train.gridcomm, "init_process_group", lambda: _FakeComm(log, {3}))
+    monkeypatch.setenv("GRIDCOMM_BACKEND", "host")
+    with pytest.raises(gridcomm_errors.RankFailedError):
+        train.run(12, 8, checkpoint_dir=str(tmp_path))
+    assert log[-1] == "g0 exit RankFailedError" and not any("rebuild" in line for line in log)
+
+
+def test_train_py_a_refusal_after_the_rendezvous_is_exit_3(monkeypatch: pytest.MonkeyPatch, tmp_path: Any):
+    """A restarted coordinator refuses the ranks of the old one with FAILED_PRECONDITION, which
+    gridcomm raises as ConfigError; after the rendezvous that is no configuration error of the pod
+    (exit 2 would fail the recoverable Job) but a lost coordinator (exit 3: the index restarts)."""
+    log: list[str] = []
+    comm = _FakeComm(log, set())
+
+    def refused(send: Any, recv: Any, op: str = "sum") -> None:
+        raise gridcomm_errors.ConfigError("rank 0 called heartbeat for generation 1, but this coordinator has no record")
+
+    monkeypatch.setattr(comm, "all_reduce", refused)
+    monkeypatch.setattr(train.gridcomm, "init_process_group", lambda: comm)
+    monkeypatch.setattr(train.gridcomm, "start_health_server", lambda: None)
+    monkeypatch.setenv("GRIDCOMM_BACKEND", "host")
+    monkeypatch.setenv("TRAIN_RECOVERY", "rebuild")
+    monkeypatch.setenv("TRAIN_CHECKPOINT_DIR", str(tmp_path))
+    assert train.main() == train.EXIT_PEER_FAILED
+    monkeypatch.setattr(comm, "all_reduce", lambda *a, **k: (_ for _ in ()).throw(gridcomm_errors.ArgumentError("bad")))
+    assert train.main() == train.EXIT_CONFIG_ERROR  # train.py's own wrong argument stays a configuration error

@@ -182,7 +182,9 @@ def pod_identity(m: Manifests, index: int, job_uid: str, ip: str) -> PodIdentity
     })
     annotations = {"batch.kubernetes.io/job-completion-index": str(index)}
     hostname = f"{job}-{index}"  # Indexed Job pods get the host name <job>-<index>
-    fqdn = f"{hostname}.{m.pod_spec['subdomain']}.{NAMESPACE}.svc.cluster.local"
+    # Without a subdomain the pod has no DNS name of its own: its FQDN is its host name.
+    subdomain = m.pod_spec.get("subdomain")
+    fqdn = f"{hostname}.{subdomain}.{NAMESPACE}.svc.cluster.local" if subdomain else hostname
     return PodIdentity(index, f"{hostname}-{secrets.token_hex(3)[:5]}", str(uuid.uuid4()), hostname, fqdn,
                        labels, annotations, ip)
 
@@ -241,8 +243,9 @@ def _expand(value: str, env: Mapping[str, str]) -> str:
 
 
 def container_env(m: Manifests, image: Image, pod: PodIdentity, mounts: Mapping[str, str],
-                  api_server: str) -> dict[str, str]:
-    """The environment kubelet gives the worker container of ``pod``."""
+                  api_server: str, *, indexed: bool = True) -> dict[str, str]:
+    """The environment kubelet gives the worker container of ``pod`` (``indexed``: a pod of an
+    Indexed Job, which the Job controller gives JOB_COMPLETION_INDEX)."""
     env = dict(image.env)
     env.update({
         "HOSTNAME": pod.hostname,
@@ -253,15 +256,15 @@ def container_env(m: Manifests, image: Image, pod: PodIdentity, mounts: Mapping[
     })
     # The Job controller adds JOB_COMPLETION_INDEX to every container of an Indexed Job, as a
     # fieldRef to the pod's completion-index annotation; it comes before the container's own env.
-    entries = [{"name": "JOB_COMPLETION_INDEX",
-                "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
-               *m.container.get("env", [])]
+    index = [{"name": "JOB_COMPLETION_INDEX",
+              "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}]
+    entries = [*(index if indexed else []), *m.container.get("env", [])]
     for entry in entries:
         name = entry["name"]
         if "value" in entry:
             env[name] = _expand(str(entry["value"]), env)
-            for mount_path, host in mounts.items():  # a path into a mounted volume
-                if env[name].startswith(mount_path + "/"):
+            for mount_path, host in mounts.items():  # a mounted volume, or a path into it
+                if env[name] == mount_path or env[name].startswith(mount_path + "/"):
                     env[name] = host + env[name][len(mount_path):]
             continue
         source = entry["valueFrom"]

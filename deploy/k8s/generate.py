@@ -4,16 +4,20 @@
     python deploy/k8s/generate.py --name llm --world-size 16 --image registry.example.com/llm:1 \\
         | kubectl apply -f -                       # headless Service + Indexed Job + metrics Service
     python deploy/k8s/generate.py --jobset --name llm --world-size 16 --image ... | kubectl apply -f -
+    python deploy/k8s/generate.py --recoverable --name llm --world-size 16 --image ... \\
+        | kubectl apply -f -    # coordinator pod + Indexed Job whose lost pods are replaced in place
     python deploy/k8s/generate.py --servicemonitor --name llm | kubectl apply -f -   # Prometheus Operator
     python deploy/k8s/generate.py --out deploy/k8s  # rewrites the committed example files
 
 ``--out DIR`` writes one folder per thing to apply, so that ``kubectl apply -f DIR/job/`` creates
 the Indexed Job and nothing else (the JobSet is in ``DIR/jobset/``, the ServiceMonitor, which needs
-the Prometheus Operator's CRDs, in ``DIR/monitoring/``). There is no Secret to apply: the token
+the Prometheus Operator's CRDs, in ``DIR/monitoring/``, the recoverable variant in
+``DIR/recoverable/``). There is no Secret to apply: the token
 Secret is made with ``kubectl create secret`` (deploy/README.md), never from a placeholder file.
 Minimum versions: Kubernetes 1.29 (the Job's ``podReplacementPolicy`` and ``podFailurePolicy``;
 tests/test_deploy.py validates against the 1.29 schemas) and JobSet v0.7.0 (``restartStrategy:
-BlockingRecreate``).
+BlockingRecreate``); the recoverable variant's Job needs 1.29 too (``backoffLimitPerIndex``), its
+other files 1.24 (``MIN_KUBERNETES_RECOVERABLE``).
 
 Why a generator and not a kustomization: the world size has to appear three times (completions,
 parallelism, GRIDCOMM_WORLD_SIZE) and the job name is part of composed strings (rank 0's address
@@ -51,10 +55,27 @@ LAYOUT = {
     "job/service.yaml": "service", "job/job.yaml": "job", "job/metrics-service.yaml": "job_metrics",
     "jobset/jobset.yaml": "jobset", "jobset/metrics-service.yaml": "jobset_metrics",
     "monitoring/servicemonitor.yaml": "servicemonitor",
+    "recoverable/coordinator.yaml": "coordinator", "recoverable/coordinator-service.yaml": "coordinator_service",
+    "recoverable/checkpoints.yaml": "checkpoints", "recoverable/job.yaml": "recoverable_job",
+    "recoverable/metrics-service.yaml": "recoverable_metrics",
 }
 #: The oldest releases the manifests work on (tests/test_deploy.py validates at MIN_KUBERNETES).
 MIN_KUBERNETES = "1.29"
 MIN_JOBSET = "v0.7.0"
+#: The oldest release each file of recoverable/ works on, and why (the comment in each file says
+#: the same). The Job needs backoffLimitPerIndex, maxFailedIndexes and podReplacementPolicy, beta
+#: and on by default from 1.29 (alpha, off, in 1.28); the coordinator's gRPC probes are on by
+#: default from 1.24 (kubernetes-validate's oldest schemas are 1.25's, so tests check at 1.25).
+MIN_KUBERNETES_RECOVERABLE = {
+    "recoverable/job.yaml": "1.29", "recoverable/coordinator.yaml": "1.24",
+    "recoverable/coordinator-service.yaml": "1.24", "recoverable/checkpoints.yaml": "1.24",
+    "recoverable/metrics-service.yaml": "1.24",
+}
+#: Pod failures an index of the recoverable Job may have before it fails (and, with
+#: maxFailedIndexes 0, the Job with it).
+BACKOFF_LIMIT_PER_INDEX = 3
+#: Where the recoverable workers mount the shared checkpoint volume (train.py's TRAIN_CHECKPOINT_DIR).
+CHECKPOINT_DIR = "/checkpoints"
 #: Exit codes of deploy/docker/train.py that no retry of the same pod can fix.
 EXIT_CONFIG_ERROR = 2
 EXIT_PEER_FAILED = 3
@@ -91,8 +112,7 @@ spec:
 
 METRICS_SERVICE = Template("""\
 ---
-# Rank 0's Prometheus metrics ($metrics_port, GRIDCOMM_METRICS_PORT): the coordinator lives in rank 0's
-# process, so this Service selects that pod only; monitoring/servicemonitor.yaml scrapes it.
+$about
 apiVersion: v1
 kind: Service
 metadata:
@@ -104,8 +124,7 @@ metadata:
 spec:
   selector:
     app.kubernetes.io/name: gridcomm
-    app.kubernetes.io/instance: $name
-    batch.kubernetes.io/job-completion-index: "0"$rank0_selector
+    app.kubernetes.io/instance: $name$selector
   ports:
     - name: metrics
       port: $metrics_port
@@ -136,79 +155,33 @@ spec:
       interval: 15s
 """)
 
-# The pod template shared by the Indexed Job and the JobSet; $extra_env holds what differs.
-POD = Template("""\
-    metadata:
-      labels:
-        app.kubernetes.io/name: gridcomm
-        app.kubernetes.io/instance: $name
-    spec:$subdomain
-      restartPolicy: Never
-      enableServiceLinks: false
-      terminationGracePeriodSeconds: 30
+# The start of both Indexed Jobs (job/ and recoverable/): one pod per rank.
+_INDEXED_JOB_HEAD = """\
+apiVersion: batch/v1
+kind: Job
+metadata:
+  name: $name
+  labels:
+    app.kubernetes.io/name: gridcomm
+    app.kubernetes.io/instance: $name
+spec:
+  completionMode: Indexed
+  completions: $world_size
+  parallelism: $world_size
+"""
+
+# Pieces every pod template shares (the embedded workers' and the coordinator's).
+_POD_SECURITY = """\
       securityContext:
         runAsNonRoot: true
         runAsUser: 1000
         runAsGroup: 1000
-        # The token file (mode 0440) belongs to this group, so the worker can read it.
+        # The token file (mode 0440) belongs to this group, so the container's user can read it.
         fsGroup: 1000
-      tolerations:
-        - key: nvidia.com/gpu
-          operator: Exists
-          effect: NoSchedule
-      containers:
-        - name: worker
-          image: $image
-          imagePullPolicy: IfNotPresent
-          command: ["python", "/app/train.py"]
-          ports:
-            - name: coordinator
-              containerPort: $coordinator_port
-            - name: health
-              containerPort: $health_port
-            - name: metrics
-              containerPort: $metrics_port
-          env:
-            - name: GRIDCOMM_WORLD_SIZE
-              value: "$world_size"
-            - name: GRIDCOMM_HOST
-              value: $coordinator_host
-            - name: GRIDCOMM_PORT
-              value: "$coordinator_port"
-            - name: GRIDCOMM_HEALTH_PORT
-              value: "$health_port"
-            # Served by rank 0 only (it hosts the coordinator); other ranks ignore it.
-            - name: GRIDCOMM_METRICS_PORT
-              value: "$metrics_port"
-            - name: GRIDCOMM_BACKEND
-              value: $backend
-            # Image pulls and GPU node scale-up can keep a pod pending for minutes.
-            - name: GRIDCOMM_TIMEOUT_S
-              value: "600"
-            # From the Secret $name-token (volume below). Why a file and an optional volume: a
-            # missing Secret or key then ends the rank with exit code 2 (FailJob at once), where a
-            # secretKeyRef would leave the pod in CreateContainerConfigError until someone looks.
-            - name: GRIDCOMM_TOKEN_FILE
-              value: $token_dir/$token_key
-            # A pod left over from an earlier run of the same name cannot join this one.
-            - name: GRIDCOMM_JOB_ID
-              valueFrom:
-                fieldRef:
-                  fieldPath: $job_id_field$extra_env
-          resources:
-            requests:
-              cpu: "4"
-              memory: 16Gi
-              nvidia.com/gpu: 1
-            limits:
-              memory: 16Gi
-              nvidia.com/gpu: 1
-          # Probes run on the plaintext health port of every rank. "" is liveness: SERVING while the
-          # process answers, whatever happened to its peers (a survivor reporting a failure or
-          # writing a checkpoint is not restarted). gridcomm.v1.Coordinator is readiness: SERVING
-          # only while this rank's communicator is up (rank 0 too: not before every rank joined).
-          # The startup probe gives the health port 120 s from container start to answer; train.py
-          # starts it first thing (gridcomm.start_health_server()), before any slow loading.
+"""
+
+# gRPC probes on the plaintext health port, and the container's privileges.
+_PROBES = """\
           startupProbe:
             grpc:
               port: $health_port
@@ -233,40 +206,84 @@ POD = Template("""\
             allowPrivilegeEscalation: false
             capabilities:
               drop: ["ALL"]
-          volumeMounts:
+"""
+
+_TOKEN_VOLUME = """\
+        - name: token
+          secret:
+            secretName: $name-token
+            optional: true
+            defaultMode: 288  # 0440"""
+
+# The pod template shared by the Indexed Job and the JobSet; $extra_env holds what differs.
+POD = Template("""\
+    metadata:
+      labels:
+        app.kubernetes.io/name: gridcomm
+        app.kubernetes.io/instance: $name
+    spec:$subdomain
+      restartPolicy: Never
+      enableServiceLinks: false
+      terminationGracePeriodSeconds: 30
+""" + _POD_SECURITY + """      tolerations:
+        - key: nvidia.com/gpu
+          operator: Exists
+          effect: NoSchedule
+      containers:
+        - name: worker
+          image: $image
+          imagePullPolicy: IfNotPresent
+          command: ["python", "/app/train.py"]
+          ports:$worker_ports
+          env:
+            - name: GRIDCOMM_WORLD_SIZE
+              value: "$world_size"$coordinator_env
+            - name: GRIDCOMM_HEALTH_PORT
+              value: "$health_port"$metrics_env
+            - name: GRIDCOMM_BACKEND
+              value: $backend
+            # Image pulls and GPU node scale-up can keep a pod pending for minutes.
+            - name: GRIDCOMM_TIMEOUT_S
+              value: "600"
+            # From the Secret $name-token (volume below). Why a file and an optional volume: a
+            # missing Secret or key then ends the rank with exit code 2 (FailJob at once), where a
+            # secretKeyRef would leave the pod in CreateContainerConfigError until someone looks.
+            - name: GRIDCOMM_TOKEN_FILE
+              value: $token_dir/$token_key
+$job_id_env$extra_env
+          resources:
+            requests:
+              cpu: "4"
+              memory: 16Gi
+              nvidia.com/gpu: 1
+            limits:
+              memory: 16Gi
+              nvidia.com/gpu: 1
+          # Probes run on the plaintext health port of every rank. "" is liveness: SERVING while the
+          # process answers, whatever happened to its peers (a survivor reporting a failure or
+          # writing a checkpoint is not restarted). gridcomm.v1.Coordinator is readiness: SERVING
+          # only while this rank's communicator is up (rank 0 too: not before every rank joined).
+          # The startup probe gives the health port 120 s from container start to answer; train.py
+          # starts it first thing (gridcomm.start_health_server()), before any slow loading.
+""" + _PROBES + """          volumeMounts:
             - name: dshm
               mountPath: /dev/shm
             - name: token
               mountPath: $token_dir
-              readOnly: true
+              readOnly: true$extra_mounts
       volumes:
         # NCCL moves data between processes through /dev/shm; the runtime's 64 MiB default is too small.
         - name: dshm
           emptyDir:
             medium: Memory
             sizeLimit: 1Gi
-        - name: token
-          secret:
-            secretName: $name-token
-            optional: true
-            defaultMode: 288  # 0440
+""" + _TOKEN_VOLUME + """$extra_volumes
 """)
 
 JOB = Template("""\
 ---
 # Indexed Job: one pod per rank, rank = JOB_COMPLETION_INDEX, rank 0 hosts the coordinator.
-apiVersion: batch/v1
-kind: Job
-metadata:
-  name: $name
-  labels:
-    app.kubernetes.io/name: gridcomm
-    app.kubernetes.io/instance: $name
-spec:
-  completionMode: Indexed
-  completions: $world_size
-  parallelism: $world_size
-  # Pods that crash before the ranks have met (a bad node, an image pull) are retried; after the
+""" + _INDEXED_JOB_HEAD + """  # Pods that crash before the ranks have met (a bad node, an image pull) are retried; after the
   # ranks have met, one rank's failure ends every rank with exit code $exit_peer and fails the Job.
   backoffLimit: 3
   # A replacement pod starts only once the old one is gone, so two pods never share a rank's name.
@@ -348,6 +365,237 @@ spec:
           template:
 $pod""")
 
+# --- the recoverable variant (recoverable/): coordinator pod + Indexed Job that replaces lost pods ---
+
+COORDINATOR = Template("""\
+---
+# The coordinator as a pod of its own (`gridcomm serve`), so that any worker may fail and be
+# replaced while the rendezvous lives on; every rank dials it through the $name-coordinator Service.
+# Needs Kubernetes $min_coordinator or newer (gRPC probes are on by default from 1.24, GA in 1.27).
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: $name-coordinator
+  labels:
+    app.kubernetes.io/name: gridcomm
+    app.kubernetes.io/instance: $name
+    app.kubernetes.io/component: coordinator
+spec:
+  replicas: 1
+  # The old pod is gone before a new one starts: two coordinators would split the ranks between two
+  # rendezvous. A new coordinator knows nothing of the old one's ranks: they exit 3 and their pods
+  # are restarted (recoverable/job.yaml), then all resume from the checkpoint.
+  strategy:
+    type: Recreate
+  selector:
+    matchLabels:
+      app.kubernetes.io/name: gridcomm
+      app.kubernetes.io/instance: $name
+      app.kubernetes.io/component: coordinator
+  template:
+    metadata:
+      labels:
+        app.kubernetes.io/name: gridcomm
+        app.kubernetes.io/instance: $name
+        app.kubernetes.io/component: coordinator
+    spec:
+      enableServiceLinks: false
+      terminationGracePeriodSeconds: 30
+""" + _POD_SECURITY + """      containers:
+        - name: coordinator
+          image: $image
+          imagePullPolicy: IfNotPresent
+          command: ["gridcomm", "serve", "--world-size", "$world_size"]
+          ports:
+            - name: coordinator
+              containerPort: $coordinator_port
+            - name: health
+              containerPort: $health_port
+            - name: metrics
+              containerPort: $metrics_port
+          env:
+            - name: GRIDCOMM_PORT
+              value: "$coordinator_port"
+            # Plaintext grpc.health.v1 for the probes below ("" and gridcomm.v1.Coordinator).
+            - name: GRIDCOMM_HEALTH_PORT
+              value: "$health_port"
+            - name: GRIDCOMM_METRICS_PORT
+              value: "$metrics_port"
+            - name: GRIDCOMM_TOKEN_FILE
+              value: $token_dir/$token_key
+            # The workers present the same id (the coordinator cannot know the Job's UID).
+            - name: GRIDCOMM_JOB_ID
+              value: $name
+          # One process serving N ranks' control plane: small next to a GPU worker.
+          resources:
+            requests:
+              cpu: "1"
+              memory: 1Gi
+            limits:
+              memory: 1Gi
+""" + _PROBES + """          volumeMounts:
+            - name: token
+              mountPath: $token_dir
+              readOnly: true
+      volumes:
+""" + _TOKEN_VOLUME + """
+""")
+
+COORDINATOR_SERVICE = Template("""\
+---
+# The coordinator's address, $name-coordinator:$coordinator_port (GRIDCOMM_HOST of every rank). A
+# ClusterIP Service: its virtual IP stays the same when the coordinator pod is replaced.
+# Needs Kubernetes $min_service or newer.
+apiVersion: v1
+kind: Service
+metadata:
+  name: $name-coordinator
+  labels:
+    app.kubernetes.io/name: gridcomm
+    app.kubernetes.io/instance: $name
+    app.kubernetes.io/component: coordinator
+spec:
+  selector:
+    app.kubernetes.io/name: gridcomm
+    app.kubernetes.io/instance: $name
+    app.kubernetes.io/component: coordinator
+  # Its only backend: a readiness blip must not cut every rank off from the coordinator.
+  publishNotReadyAddresses: true
+  ports:
+    - name: coordinator
+      port: $coordinator_port
+      targetPort: coordinator
+""")
+
+CHECKPOINTS = Template("""\
+---
+# Where deploy/docker/train.py keeps its checkpoint (TRAIN_CHECKPOINT_DIR): rank 0 writes, and a
+# replacement pod on another node reads, so every worker mounts it: ReadWriteMany, which needs a
+# storage class that offers it (NFS, CephFS, a cloud file store such as EFS, Filestore or Azure
+# Files); set storageClassName if the cluster's default does not. An emptyDir would die with its pod.
+# Needs Kubernetes $min_service or newer.
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: $name-checkpoints
+  labels:
+    app.kubernetes.io/name: gridcomm
+    app.kubernetes.io/instance: $name
+spec:
+  accessModes: ["ReadWriteMany"]
+  resources:
+    requests:
+      storage: 10Gi
+""")
+
+RECOVERABLE_JOB = Template("""\
+---
+# Indexed Job whose lost pods are replaced while the others wait: rank = JOB_COMPLETION_INDEX,
+# every rank dials the coordinator pod (recoverable/coordinator.yaml), and on a peer's failure the
+# survivors call rebuild() (TRAIN_RECOVERY) until a replacement of the lost index has joined.
+# Needs Kubernetes $min_job or newer: backoffLimitPerIndex and maxFailedIndexes (beta, on by
+# default, from 1.29; GA in 1.33), podReplacementPolicy (beta from 1.29), podFailurePolicy (beta
+# from 1.26, GA in 1.31).
+""" + _INDEXED_JOB_HEAD + """  # Each index may fail this often before it is marked failed; the Job controller recreates a
+  # failed index's pod after 10 s, 20 s, 40 s ... (per index, capped at 6 min).
+  backoffLimitPerIndex: $backoff_per_index
+  # A gang cannot finish without one of its ranks: the first index out of retries fails the Job,
+  # and the Job controller ends the other pods.
+  maxFailedIndexes: 0
+  # A replacement pod starts only once the old one is gone, so one index never has two processes
+  # (required with podFailurePolicy).
+  podReplacementPolicy: Failed
+  activeDeadlineSeconds: $active_deadline_s
+  ttlSecondsAfterFinished: 86400
+  podFailurePolicy:
+    rules:
+      # Preemption, node drain, eviction, node loss: not the program's fault. The index is
+      # recreated without counting (first, so that a disrupted pod's exit code does not count).
+      - action: Ignore
+        onPodConditions:
+          - type: DisruptionTarget
+            status: "True"
+      # $exit_config: a configuration error, the same in every pod: no retry can fix it.
+      - action: FailJob
+        onExitCodes:
+          containerName: worker
+          operator: In
+          values: [$exit_config]
+      # $exit_peer: this rank gave up recovering (the coordinator went away, a replacement did not
+      # come in time, too many recoveries). Restarting it joins the next generation, so it is
+      # retried, and counted, so that a loop of them is bounded by backoffLimitPerIndex. The
+      # index whose pod was SIGKILLed or OOM-killed (137) or crashed (1) counts the same way
+      # (no rule matches: the default).
+      - action: Count
+        onExitCodes:
+          containerName: worker
+          operator: In
+          values: [$exit_peer]
+  template:
+$pod""")
+
+_RECOVERABLE_WORKER_ENV = """
+            # deploy/docker/train.py: on a peer's failure, rebuild() and resume from the checkpoint.
+            - name: TRAIN_RECOVERY
+              value: rebuild
+            - name: TRAIN_CHECKPOINT_DIR
+              value: $checkpoint_dir"""
+
+_RECOVERABLE_WORKER_MOUNTS = """
+            - name: checkpoints
+              mountPath: $checkpoint_dir"""
+
+_RECOVERABLE_WORKER_VOLUMES = """
+        # Shared by every worker (recoverable/checkpoints.yaml): a replacement reads what rank 0 wrote.
+        - name: checkpoints
+          persistentVolumeClaim:
+            claimName: $name-checkpoints"""
+
+# What the embedded (job/, jobset/) and the recoverable workers put in POD's slots.
+_EMBEDDED_PORTS = """
+            - name: coordinator
+              containerPort: $coordinator_port
+            - name: health
+              containerPort: $health_port
+            - name: metrics
+              containerPort: $metrics_port"""
+
+_EMBEDDED_COORDINATOR_ENV = """
+            - name: GRIDCOMM_HOST
+              value: $coordinator_host
+            - name: GRIDCOMM_PORT
+              value: "$coordinator_port\""""
+
+_EMBEDDED_METRICS_ENV = """
+            # Served by rank 0 only (it hosts the coordinator); other ranks ignore it.
+            - name: GRIDCOMM_METRICS_PORT
+              value: "$metrics_port\""""
+
+_EMBEDDED_JOB_ID_ENV = """\
+            # A pod left over from an earlier run of the same name cannot join this one.
+            - name: GRIDCOMM_JOB_ID
+              valueFrom:
+                fieldRef:
+                  fieldPath: $job_id_field"""
+
+_RECOVERABLE_PORTS = """
+            - name: health
+              containerPort: $health_port"""
+
+_RECOVERABLE_COORDINATOR_ENV = """
+            # Every rank, rank 0 included, dials the coordinator pod (gridcomm serve), so any may fail.
+            - name: GRIDCOMM_COORDINATOR
+              value: external
+            - name: GRIDCOMM_HOST
+              value: $name-coordinator
+            - name: GRIDCOMM_PORT
+              value: "$coordinator_port\""""
+
+_RECOVERABLE_JOB_ID_ENV = """\
+            # The coordinator's GRIDCOMM_JOB_ID: a worker of another job name cannot join.
+            - name: GRIDCOMM_JOB_ID
+              value: $name"""
+
 _JOBSET_ENV = """
             # Lets gridcomm number ranks across Jobs when `replicas` is raised.
             - name: JOBSET_NAME
@@ -394,23 +642,52 @@ def render(args: argparse.Namespace) -> dict[str, str]:
         "backend": args.backend, "rjob": args.replicated_job, "coordinator_port": COORDINATOR_PORT,
         "health_port": HEALTH_PORT, "exit_config": EXIT_CONFIG_ERROR, "exit_peer": EXIT_PEER_FAILED,
         "metrics_port": METRICS_PORT, "token_dir": TOKEN_DIR, "token_key": TOKEN_KEY,
-        "active_deadline_s": args.active_deadline_s,
+        "active_deadline_s": args.active_deadline_s, "checkpoint_dir": CHECKPOINT_DIR,
+        "backoff_per_index": BACKOFF_LIMIT_PER_INDEX, "min_job": MIN_KUBERNETES_RECOVERABLE["recoverable/job.yaml"],
+        "min_coordinator": MIN_KUBERNETES_RECOVERABLE["recoverable/coordinator.yaml"],
+        "min_service": MIN_KUBERNETES_RECOVERABLE["recoverable/coordinator-service.yaml"],
     }
-    job_pod = POD.substitute(values, subdomain=f"\n      subdomain: {args.service}",
-                             coordinator_host=f"{args.name}-0.{args.service}", extra_env="",
-                             job_id_field="metadata.labels['batch.kubernetes.io/controller-uid']")
-    jobset_pod = POD.substitute(values, subdomain="", coordinator_host=f"{args.name}-{args.replicated_job}-0-0.{args.name}",
-                                extra_env=_JOBSET_ENV,
-                                job_id_field="metadata.labels['jobset.sigs.k8s.io/jobset-uid']")
+
+    def fill(text: str, **more: object) -> str:
+        return Template(text).substitute(values, **more)
+
+    embedded = {"worker_ports": fill(_EMBEDDED_PORTS), "metrics_env": fill(_EMBEDDED_METRICS_ENV), "extra_mounts": "",
+                "extra_volumes": ""}
+
+    def embedded_pod(subdomain: str, coordinator_host: str, job_id_field: str, extra_env: str) -> str:
+        return POD.substitute(values, **embedded, subdomain=subdomain, extra_env=extra_env,
+                              coordinator_env=fill(_EMBEDDED_COORDINATOR_ENV, coordinator_host=coordinator_host),
+                              job_id_env=fill(_EMBEDDED_JOB_ID_ENV, job_id_field=job_id_field))
+
+    job_pod = embedded_pod(f"\n      subdomain: {args.service}", f"{args.name}-0.{args.service}",
+                           "metadata.labels['batch.kubernetes.io/controller-uid']", "")
+    jobset_pod = embedded_pod("", f"{args.name}-{args.replicated_job}-0-0.{args.name}",
+                              "metadata.labels['jobset.sigs.k8s.io/jobset-uid']", _JOBSET_ENV)
+    recoverable_pod = POD.substitute(values, subdomain="", worker_ports=fill(_RECOVERABLE_PORTS), metrics_env="",
+                                     coordinator_env=fill(_RECOVERABLE_COORDINATOR_ENV),
+                                     job_id_env=fill(_RECOVERABLE_JOB_ID_ENV), extra_env=fill(_RECOVERABLE_WORKER_ENV),
+                                     extra_mounts=fill(_RECOVERABLE_WORKER_MOUNTS),
+                                     extra_volumes=fill(_RECOVERABLE_WORKER_VOLUMES))
+    rank0 = fill("# Rank 0's Prometheus metrics ($metrics_port, GRIDCOMM_METRICS_PORT): the coordinator lives in rank 0's\n"
+                 "# process, so this Service selects that pod only; monitoring/servicemonitor.yaml scrapes it.")
+    rank0_selector = '\n    batch.kubernetes.io/job-completion-index: "0"'
     # The JobSet's rank 0 is completion index 0 of its first Job (each Job has an index 0).
-    jobset_rank0 = '\n    jobset.sigs.k8s.io/job-index: "0"'
+    jobset_rank0 = rank0_selector + '\n    jobset.sigs.k8s.io/job-index: "0"'
+    coordinator_metrics = fill("# The coordinator pod's Prometheus metrics ($metrics_port, gridcomm serve's GRIDCOMM_METRICS_PORT);\n"
+                               "# monitoring/servicemonitor.yaml scrapes it.\n# Needs Kubernetes $min_service or newer.")
     made = {
         "service": SERVICE.substitute(values),
         "job": JOB.substitute(values, pod=job_pod),
-        "job_metrics": METRICS_SERVICE.substitute(values, rank0_selector=""),
+        "job_metrics": METRICS_SERVICE.substitute(values, about=rank0, selector=rank0_selector),
         "jobset": JOBSET.substitute(values, pod=_indent(jobset_pod, 8)),
-        "jobset_metrics": METRICS_SERVICE.substitute(values, rank0_selector=jobset_rank0),
+        "jobset_metrics": METRICS_SERVICE.substitute(values, about=rank0, selector=jobset_rank0),
         "servicemonitor": SERVICEMONITOR.substitute(values),
+        "coordinator": COORDINATOR.substitute(values),
+        "coordinator_service": COORDINATOR_SERVICE.substitute(values),
+        "checkpoints": CHECKPOINTS.substitute(values),
+        "recoverable_job": RECOVERABLE_JOB.substitute(values, pod=recoverable_pod),
+        "recoverable_metrics": METRICS_SERVICE.substitute(
+            values, about=coordinator_metrics, selector="\n    app.kubernetes.io/component: coordinator"),
     }
     return {path: made[what] for path, what in LAYOUT.items()}
 
@@ -428,9 +705,12 @@ def parser() -> argparse.ArgumentParser:
                         "7 days)")
     p.add_argument("--jobset", action="store_true", help="print the JobSet (and its metrics Service) instead of the "
                    "Service and Indexed Job")
+    p.add_argument("--recoverable", action="store_true", help="print the recoverable variant instead: the coordinator "
+                   "as a pod of its own (Deployment, Service, metrics Service), a shared checkpoint claim, and an "
+                   "Indexed Job whose lost pods are replaced while the others rebuild()")
     p.add_argument("--servicemonitor", action="store_true", help="print the Prometheus Operator ServiceMonitor")
     p.add_argument("--out", default=None, help="write every file into this folder (created if missing): job/, "
-                   "jobset/ and monitoring/, one folder per `kubectl apply -f`")
+                   "jobset/, recoverable/ and monitoring/, one folder per `kubectl apply -f`")
     return p
 
 
@@ -451,6 +731,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.servicemonitor:
         folder = "monitoring/"
+    elif args.recoverable:
+        folder = "recoverable/"
     else:
         folder = "jobset/" if args.jobset else "job/"
     sys.stdout.write("".join(text for name, text in files.items() if name.startswith(folder)))
