@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import copy
 import importlib.util
-import json
 import os
 import re
 import subprocess
@@ -27,7 +26,6 @@ from yamllint import linter
 from yamllint.config import YamlLintConfig
 
 from gridcomm import _cli, _cluster, _config
-from gridcomm import _errors as gridcomm_errors
 from tests.support import k8s_jobs
 from tests.support.procs import ROOT
 
@@ -693,99 +691,3 @@ def test_train_py_settings_errors_exit_2(env: dict[str, str], message: str):
                           env={**_without_gridcomm(os.environ), "PYTHONPATH": ROOT, **env}, timeout=60)
     assert done.returncode == train.EXIT_CONFIG_ERROR, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr
-
-
-class _FakeComm:
-    """A one-process stand-in for a Communicator in train.py's loop: its all_reduce answers what
-    every member at the same step would sum to, and it fails on purpose where told."""
-
-    def __init__(self, log: list[str], fail_at: set[int], rank: int = 0, members: tuple[int, ...] = (0, 1, 2),
-                 generation: int = 0, rebuild_failures: int = 0) -> None:
-        self.log, self.fail_at, self.rank, self.members = log, fail_at, rank, members
-        self.world_size, self.generation, self.rebuild_failures = len(members), generation, rebuild_failures
-        self.calls = 0
-
-    def all_reduce(self, send: Any, recv: Any, op: str = "sum") -> None:
-        assert op == "sum"
-        self.calls += 1
-        value = float(send[0]) / (self.members[self.rank] + 1)
-        self.log.append(f"g{self.generation} step {value:g}")
-        if len(self.log) in self.fail_at:
-            self.fail_at.discard(len(self.log))
-            raise gridcomm_errors.RankFailedError("rank 2 failed: killed", rank=2)
-        recv[:] = value * sum(m + 1 for m in self.members)
-
-    def broadcast(self, array: Any, root: int = 0) -> None:
-        self.log.append(f"g{self.generation} broadcast {int(array[0])}")
-
-    def barrier(self, name: str | None = None) -> None:
-        self.log.append(f"g{self.generation} barrier {name}")
-
-    def _next(self, kind: str, members: tuple[int, ...]) -> _FakeComm:
-        self.log.append(f"g{self.generation} {kind}")
-        if self.rebuild_failures:
-            self.rebuild_failures -= 1
-            raise gridcomm_errors.RankFailedError("rank 1 failed during the recovery", rank=1)
-        return _FakeComm(self.log, self.fail_at, members.index(self.members[self.rank]), members, self.generation + 1)
-
-    def rebuild(self, timeout_s: float | None = None) -> _FakeComm:
-        return self._next("rebuild", self.members)
-
-    def shrink(self, timeout_s: float | None = None) -> _FakeComm:
-        return self._next("shrink", tuple(m for m in self.members if m != 2))
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.log.append(f"g{self.generation} exit {type(exc).__name__ if exc else 'clean'}")
-
-
-@pytest.mark.parametrize("mode, fail_at, rebuild_failures, members", [
-    ("rebuild", {8}, 0, (0, 1, 2)),   # fails in step 7 (after the broadcast and 6 steps)
-    ("shrink", {8}, 0, (0, 1)),
-    ("rebuild", {8}, 2, (0, 1, 2)),   # the recovery itself fails twice, then succeeds
-])
-def test_train_py_recovers_from_the_last_checkpoint(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, mode: str,
-                                                    fail_at: set[int], rebuild_failures: int,
-                                                    members: tuple[int, ...]):
-    """train.py's loop against a stand-in communicator: a failure in step 7 makes it recover
-    (rebuild or shrink), go back to the checkpoint of step 5 and finish every step checked."""
-    log: list[str] = []
-    first = _FakeComm(log, set(fail_at), rebuild_failures=rebuild_failures)
-    monkeypatch.setattr(train.gridcomm, "init_process_group", lambda: first)
-    monkeypatch.setenv("GRIDCOMM_BACKEND", "host")
-    train.run(12, 8, recovery=mode, checkpoint_dir=str(tmp_path), checkpoint_every=5)
-    steps = [line.split()[-1] for line in log if " step " in line]
-    assert steps == [str(s) for s in [*range(1, 8), *range(6, 13)]], log
-    assert log.count(f"g0 {mode}") == rebuild_failures + 1 and log[-2:] == ["g1 barrier train-done", "g1 exit clean"]
-    assert "g1 broadcast 5" in log, "the new generation resumes from step 5's checkpoint"
-    saved = json.loads((tmp_path / train.CHECKPOINT_FILE).read_text())
-    assert saved == {"step": 12, "generation": 1, "members": list(members)}
-
-
-def test_train_py_without_recovery_ends_with_the_failure(monkeypatch: pytest.MonkeyPatch, tmp_path: Any):
-    log: list[str] = []
-    monkeypatch.setattr(train.gridcomm, "init_process_group", lambda: _FakeComm(log, {3}))
-    monkeypatch.setenv("GRIDCOMM_BACKEND", "host")
-    with pytest.raises(gridcomm_errors.RankFailedError):
-        train.run(12, 8, checkpoint_dir=str(tmp_path))
-    assert log[-1] == "g0 exit RankFailedError" and not any("rebuild" in line for line in log)
-
-
-def test_train_py_a_refusal_after_the_rendezvous_is_exit_3(monkeypatch: pytest.MonkeyPatch, tmp_path: Any):
-    """A restarted coordinator refuses the ranks of the old one with FAILED_PRECONDITION, which
-    gridcomm raises as ConfigError; after the rendezvous that is no configuration error of the pod
-    (exit 2 would fail the recoverable Job) but a lost coordinator (exit 3: the index restarts)."""
-    log: list[str] = []
-    comm = _FakeComm(log, set())
-
-    def refused(send: Any, recv: Any, op: str = "sum") -> None:
-        raise gridcomm_errors.ConfigError("rank 0 called heartbeat for generation 1, but this coordinator has no record")
-
-    monkeypatch.setattr(comm, "all_reduce", refused)
-    monkeypatch.setattr(train.gridcomm, "init_process_group", lambda: comm)
-    monkeypatch.setattr(train.gridcomm, "start_health_server", lambda: None)
-    monkeypatch.setenv("GRIDCOMM_BACKEND", "host")
-    monkeypatch.setenv("TRAIN_RECOVERY", "rebuild")
-    monkeypatch.setenv("TRAIN_CHECKPOINT_DIR", str(tmp_path))
-    assert train.main() == train.EXIT_PEER_FAILED
-    monkeypatch.setattr(comm, "all_reduce", lambda *a, **k: (_ for _ in ()).throw(gridcomm_errors.ArgumentError("bad")))
-    assert train.main() == train.EXIT_CONFIG_ERROR  # train.py's own wrong argument stays a configuration error
