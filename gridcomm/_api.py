@@ -155,11 +155,12 @@ class Job:
         impl = build_backend(self.kind, client, "world", rank, len(members), plane=plane,
                              participants=() if everyone else members, failed=lambda: client.failure,
                              timeout_s=timeout_s)
-        comm = Communicator(impl, client, coordinator=self.coordinator, grace_s=min(60.0, self.wait_s),
-                            health=self.health, members=members, job=self, generation=client.generation)
-        if self.embedded:
-            comm.coordinator_rank = impl.coordinator_rank = 0
-        return comm
+        return Communicator(impl, client, members=members, job=self)
+
+    @property
+    def grace_s(self) -> float:
+        """How long the embedded coordinator waits, at the end, for every rank to leave or fail."""
+        return min(60.0, self.wait_s)
 
     def recover(self, mode: str, timeout_s: float | None) -> Communicator:
         """The next generation's communicator, after a failure: joins it as a survivor (see

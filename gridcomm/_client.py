@@ -181,7 +181,7 @@ class CoordinatorClient:
             raise CommAborted(f"{what}: this client was closed.")
         if self.session_mode != "off":
             if self._session is None:
-                self._session = _session.Session(self.target, self.tls, self._metadata, self.aio_channel)
+                self._session = _session.Session(self.target, self._metadata, self.aio_channel)
             started = time.monotonic()
             try:
                 return self._session.call(kind, request, timeout_s)
@@ -226,11 +226,8 @@ class CoordinatorClient:
     def join(self, timeout_s: float | None = None) -> int:
         """Registers this rank and waits until every rank has joined; returns the generation."""
         def attempt(wait_s: float, call_s: float) -> pb.JoinResponse:
-            request = pb.JoinRequest(
-                job_id=self.job_id, rank=self.rank, world_size=self.world_size,
-                incarnation=self.incarnation, hostname=self.hostname, wait_s=wait_s,
-            )
-            return self._op("join", request, f"rank {self.rank}: join", call_s, wait_for_ready=True)
+            return self._op("join", self._join_request(wait_s), f"rank {self.rank}: join", call_s,
+                            wait_for_ready=True)
 
         response = self._long_poll(
             f"rank {self.rank} of {self.world_size}: join", timeout_s, attempt,
@@ -261,16 +258,19 @@ class CoordinatorClient:
         what = f"rank {self.rank}: {mode} of generation {base}"
 
         def attempt(wait_s: float, call_s: float) -> pb.JoinResponse:
-            request = pb.JoinRequest(
-                job_id=self.job_id, rank=self.rank, world_size=self.world_size, incarnation=self.incarnation,
-                hostname=self.hostname, wait_s=wait_s, generation=base, recovery=recovery,
-            )
-            return self._op("join", request, what, call_s)
+            return self._op("join", self._join_request(wait_s, base, recovery), what, call_s)
 
         response = self._long_poll(what, timeout_s, attempt,
                                    lambda missing: f"waiting for {len(missing)} rank(s): {missing[:16]}")
         self._enter(response)
         return self.generation
+
+    def _join_request(self, wait_s: float, generation: int = 0, recovery: int = pb.RECOVERY_NONE) -> pb.JoinRequest:
+        """This process's join: of the job (a new process), or, by a survivor of ``generation``,
+        of the next one (``recovery``)."""
+        return pb.JoinRequest(job_id=self.job_id, rank=self.rank, world_size=self.world_size,
+                              incarnation=self.incarnation, hostname=self.hostname, wait_s=wait_s,
+                              generation=generation, recovery=recovery)  # type: ignore[arg-type]
 
     def _enter(self, response: pb.JoinResponse) -> None:
         """Takes the generation a join or a recovery answered: its number and members; barrier

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from gridcomm._client import SHORT_CALL_S, CoordinatorClient
 from gridcomm._errors import (
@@ -57,6 +57,18 @@ def build_backend(kind: str, client: CoordinatorClient, name: str, rank: int, si
     return _nccl.connect(client, name, rank, size, failed=failed, timeout_s=timeout_s)
 
 
+class Job(Protocol):
+    """What a root communicator reads of its rank's job (gridcomm._api.Job)."""
+
+    health: ProcessHealth | None
+    coordinator: Coordinator | None
+
+    @property
+    def grace_s(self) -> float: ...
+
+    def recover(self, mode: str, timeout_s: float | None) -> Communicator: ...
+
+
 class Communicator:
     """A group of ranks that run collectives together (the ``cupyx.distributed.NCCLBackend`` API).
 
@@ -70,14 +82,11 @@ class Communicator:
     """
 
     def __init__(self, backend: Any, client: CoordinatorClient, *, name: str = "world",
-                 members: Sequence[int] | None = None, coordinator: Coordinator | None = None,
-                 parent: Communicator | None = None, grace_s: float = 60.0, health: ProcessHealth | None = None,
-                 job: Any = None, generation: int | None = None) -> None:
+                 members: Sequence[int] | None = None, parent: Communicator | None = None,
+                 job: Job | None = None) -> None:
         self._backend = backend
         self._client = client
-        self._coordinator = coordinator
         self._parent = parent
-        self._grace_s = grace_s
         self.rank: int = backend.rank
         self.world_size: int = backend.world_size
         self.backend: str = backend.kind
@@ -90,13 +99,13 @@ class Communicator:
         self._closed: GridcommError | None = None
         self._finalized = False
         #: The rank hosting the coordinator (0 when embedded; None for `gridcomm serve`).
-        self.coordinator_rank: int | None = parent.coordinator_rank if parent is not None else None
-        self._health = health
-        #: The rank's job (gridcomm._api.Job), which makes the next generation's communicator.
+        self.coordinator_rank: int | None = client.coordinator_rank
+        #: The rank's job (a root's; None for a split child): what it hosts (the embedded
+        #: coordinator, the health port), and what makes the next generation's communicator.
         self._job = job
         #: 0 at the first init, +1 per recovery (the coordinator counts from 1: its generation 0
         #: is the rendezvous still forming).
-        self.generation: int = (client.generation if generation is None else generation) - 1
+        self.generation: int = client.generation - 1
         #: The communicator a rebuild() or shrink() of this one returned.
         self._successor: Communicator | None = None
         for method in COLLECTIVES:
@@ -105,8 +114,7 @@ class Communicator:
         if backend.kind == "host":
             backend.on_broken = self._broken_data_plane
         backend.coordinator_rank = self.coordinator_rank
-        if health is not None:
-            health.set_ready(self, True)
+        self._set_ready(True)
         if parent is None:
             # Hears of this generation's first failure (at once if it came before this was made).
             client.on_failure(self._on_failure)
@@ -127,9 +135,13 @@ class Communicator:
         log.error("rank %d: %s; aborting the communicator", root.rank, error)
         root._close(error)
         root._abort_backends(error)
-        if root._health is not None:
-            # Readiness only: liveness stays SERVING while this process answers (issue 18).
-            root._health.set_ready(root, False)
+        # Readiness only: liveness stays SERVING while this process answers (issue 18).
+        root._set_ready(False)
+
+    def _set_ready(self, ready: bool) -> None:
+        """Readiness on the rank's health port, held up by each root communicator that is up."""
+        if self._job is not None and self._job.health is not None:
+            self._job.health.set_ready(self, ready)
 
     def _abort_backends(self, error: GridcommError) -> None:
         for backend in self._all_backends():
@@ -284,8 +296,7 @@ class Communicator:
         if self._successor is not None:
             raise ConfigError(f"this communicator was already recovered into generation {self._successor.generation}; "
                               f"call {mode}() on the communicator that recovery returned.")
-        if self._job is None:
-            raise ConfigError(f"{mode}() needs a communicator made by init_process_group.")
+        assert self._job is not None  # a root: made by init_process_group or a recovery
         if self._finalized:
             raise CommAborted(f"rank {self.rank}: {mode}() after stop() or abort(); this rank has left the job.")
         if self._closed is None:
@@ -371,8 +382,7 @@ class Communicator:
                 backend.destroy()
             except Exception as exc:  # noqa: BLE001 - best effort; leaving still matters more
                 log.warning("rank %d: freeing a backend failed: %s", self.rank, exc)
-        if self._health is not None:
-            self._health.set_ready(self, False)
+        self._set_ready(False)
         try:
             if report is not None:
                 self._client.report_failure(report)
@@ -386,8 +396,8 @@ class Communicator:
                         "failure" if report else "leave", exc)
         finally:
             self._client.close()
-            if self._coordinator is not None:
-                self._coordinator.stop(grace_s=self._grace_s)
+            if self._job is not None and self._job.coordinator is not None:
+                self._job.coordinator.stop(grace_s=self._job.grace_s)
 
     def __enter__(self) -> Communicator:
         return self

@@ -116,6 +116,18 @@ class Recovery:
     survivors: dict[int, int] = dataclasses.field(default_factory=dict)
     #: Rank -> the new process admitted as the replacement of a failed rank.
     replacements: dict[int, Member] = dataclasses.field(default_factory=dict)
+    #: How many survivors arrived while ``failures`` failures were known (counted, so that an
+    #: arrival costs O(1) and not a pass over the world).
+    counted: int = 0
+    failures: int = 0
+
+    def arrive(self, rank: int, failures: int) -> None:
+        """A survivor's arrival while ``failures`` failures are known (a repeat counts once)."""
+        if self.failures != failures:
+            self.failures, self.counted = failures, 0  # earlier arrivals were sent back to retry
+        if self.survivors.get(rank) != failures:
+            self.survivors[rank] = failures
+            self.counted += 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +177,7 @@ class JobState:
         self._everyone = tuple(range(world_size))
         #: The next generation while it forms (after a failure), else None.
         self.recovery: Recovery | None = None
-        #: Failures of earlier generations, oldest first (for status).
+        #: Failures of earlier generations, oldest first (a record; Status shows the current one's).
         self.past_failures: list[Failure] = []
         #: (base generation, mode) of the recovery that made the current generation.
         self.recovered_from: tuple[int, str | None] = (0, None)
@@ -339,7 +351,7 @@ class JobState:
                 f"{recovery.mode}(); every survivor must make the same call.",
             )
         member.last_seen = now
-        recovery.survivors[rank] = len(self.failures)
+        recovery.arrive(rank, len(self.failures))
         return self._maybe_complete(now)
 
     def recovery_check(self, rank: int, incarnation: int, base: int) -> bool:
@@ -386,25 +398,21 @@ class JobState:
         return missing
 
     def _maybe_complete(self, now: float) -> bool:
+        """Forms the next generation once everyone it waits for is there (O(1) until then)."""
         recovery = self.recovery
         assert recovery is not None
-        survivors = [r for r in self._everyone if self.members[r].state is MemberState.JOINED]
-        if not survivors:
-            mode = REBUILD  # every rank is new: nobody to ask, the job restarts in place
-        elif recovery.mode is None:
+        # Failed and left ranks are disjoint (fail() skips a rank that left, leave() one that failed).
+        gone = len(self._failed) + self.left_count
+        expected = len(self._everyone) - gone
+        # With no survivor, every rank is new: nobody to ask, the job restarts in place.
+        mode = recovery.mode if expected else REBUILD
+        counted = recovery.counted if recovery.failures == len(self.failures) else 0
+        if mode is None or counted < expected or (mode == REBUILD and len(recovery.replacements) < gone):
             return False
-        else:
-            mode = recovery.mode
-        if self.recovery_missing():
-            return False
-        members: dict[int, Member] = {}
-        for rank in survivors:
-            members[rank] = self.members[rank]
+        members = {r: m for r, m in self.members.items() if m.state is MemberState.JOINED}
         if mode == REBUILD:
             members.update(recovery.replacements)
         active = tuple(sorted(members))
-        if not active:
-            return False
         self.past_failures.extend(self.failures)
         self.failures = []
         self._failed = {}

@@ -319,10 +319,13 @@ class Servicer:
                 self.metrics.recovered(state.generation)
                 self._owner._set_serving(True)
             self._wake(("join",))
+        member = state.members.get(request.rank)
         if state.complete:
+            if not base and member is not None and member.incarnation == request.incarnation:
+                return self._joined()  # a member's join (the one that completed it, or a re-poll)
             # A new process admitted into a running job, or a survivor: waits for the next generation.
             return await self._await_recovery(request, base, deadline)
-        member = state.members[request.rank]
+        assert member is not None
         ok = await self._wait(("join",), lambda: state.complete, request.wait_s, deadline,
                               f"join of rank {request.rank}", member=member)
         if not state.is_current(member):
@@ -348,21 +351,15 @@ class Servicer:
         """Registers the join with the state. A new process for a rank whose predecessor still
         looks alive waits (bounded by the call) for the coordinator to mark it failed, which it
         does within the liveness bound if that process is in fact gone (a pod restarted fast)."""
-        state = self._state
-        was_failed = state.failed
         while True:
             try:
-                return state.join(request.job_id, request.rank, request.world_size, request.incarnation,
-                                  request.hostname, self._now(), base=base, mode=mode)
+                return self._state.join(request.job_id, request.rank, request.world_size, request.incarnation,
+                                        request.hostname, self._now(), base=base, mode=mode)
             except StateError as exc:
-                if exc.predecessor_alive:
-                    if await self._predecessor_gone(request, deadline):
-                        continue
+                if exc.predecessor_alive and await self._predecessor_gone(request, deadline):
+                    continue
                 # Kept for status and the waiting ranks' messages, and logged (issue 18).
                 self.metrics.join_refused(request.rank, request.hostname, exc.code, exc.message)
-                if state.failed and not was_failed:
-                    log.error("coordinator: %s", state.failures[0].reason)
-                    self._on_failure()
                 raise
 
     async def _predecessor_gone(self, request: pb.JoinRequest, deadline: float | None) -> bool:
@@ -377,12 +374,9 @@ class Servicer:
         def settled() -> bool:
             return _gone(state, old) or (old.last_heartbeat is not None and old.last_heartbeat > since)
 
-        await self._wait(("beat", old.rank), settled, request.wait_s, deadline, f"join of rank {request.rank}",
-                         fail_fast=False)
-        if _gone(state, old):
-            return True
-        if old.last_heartbeat is not None and old.last_heartbeat > since:
-            return False  # alive: the caller raises the refusal
+        if await self._wait(("beat", old.rank), settled, request.wait_s, deadline, f"join of rank {request.rank}",
+                            fail_fast=False):
+            return _gone(state, old)  # else it heartbeat: alive, and the caller raises the refusal
         raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"rank {request.rank}'s previous process (incarnation {old.incarnation:#x} on {old.hostname or '?'}) "
                     f"has not been heard from since this one came; waiting for the coordinator to mark it failed "
@@ -394,10 +388,6 @@ class Servicer:
         state = self._state
         rank, incarnation = request.rank, request.incarnation
         base = base or state.generation
-        if state.generation > base or (state.members.get(rank) is not None and
-                                       state.members[rank].incarnation == incarnation and state.recovery is None
-                                       and not state.failed):
-            return self._joined()  # already formed (a re-poll), or a re-poll of a plain join
         recovery = state.recovery
         waiting = state.members.get(rank)
         if recovery is not None and rank in recovery.replacements:
@@ -493,8 +483,7 @@ class Servicer:
                                     any_generation=True)
         state.heartbeat(member.rank, self._now())
         beat = member.last_heartbeat
-        if ("beat", member.rank) in self._waiters:
-            self._wake(("beat", member.rank))  # a second process for this rank waits to learn it is alive
+        self._wake(("beat", member.rank))  # a second process for this rank may wait to learn it is alive
         try:
             await self._wait(("failure",), lambda: state.failed, min(request.wait_s, self._owner.heartbeat_timeout_s),
                              deadline, "heartbeat", fail_fast=False)

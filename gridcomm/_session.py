@@ -25,8 +25,7 @@ from typing import Any
 
 import grpc
 
-from gridcomm import _config, _eventloop
-from gridcomm._channel import make_aio_channel
+from gridcomm import _eventloop
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 
@@ -77,13 +76,12 @@ class Session:
     """One client's Session stream to one coordinator. ``call`` runs on any thread but the
     loop's; the rest runs on the loop."""
 
-    def __init__(self, target: str, tls: _config.TlsFiles | None, metadata: tuple[tuple[str, str], ...],
-                 channel: Callable[[], grpc.aio.Channel] | None = None) -> None:
+    def __init__(self, target: str, metadata: tuple[tuple[str, str], ...],
+                 channel: Callable[[], grpc.aio.Channel]) -> None:
         self._target = target
-        #: Gives the channel the stream runs on (the client's, shared with its watcher, so a rank
-        #: holds one connection); None: the session opens, and closes, one of its own.
-        self._shared_channel = channel
-        self._tls = tls
+        #: Gives the channel the stream runs on: the client's, shared with its watcher (a rank
+        #: holds one connection), which the client closes.
+        self._channel = channel
         self._metadata = metadata
         self._loop = _eventloop.loop()
         self._ids = itertools.count(1)
@@ -93,7 +91,6 @@ class Session:
         # Loop-thread state.
         #: The next message to write: what callers queued since the last write.
         self._outbox = pb.SessionRequest()
-        self._channel: grpc.aio.Channel | None = None
         self._call: Any = None
         self._has_work: asyncio.Event | None = None
         #: Operations written on the current stream and not answered yet.
@@ -156,12 +153,9 @@ class Session:
         self._has_work.set()
 
     def _open(self) -> None:
-        if self._channel is None:
-            self._channel = (self._shared_channel() if self._shared_channel is not None else
-                             make_aio_channel(self._target, self._tls))
         # Why wait_for_ready: a coordinator that is not up yet (or a name that does not resolve
         # yet) is waited for; each operation's own timeout bounds the wait.
-        call = pb_grpc.CoordinatorStub(self._channel).Session(metadata=self._metadata, wait_for_ready=True)
+        call = pb_grpc.CoordinatorStub(self._channel()).Session(metadata=self._metadata, wait_for_ready=True)
         self._call = call
         self._has_work = has_work = asyncio.Event()
         self._sent = set()
@@ -254,7 +248,7 @@ class Session:
                 waiter.lock.release()
 
     async def close(self) -> None:
-        """Ends the stream and closes the channel (its connection goes at once)."""
+        """Ends the stream (the client closes the channel it runs on)."""
         self._closed = True
         # Why: an operation still queued or in flight (a thread of a client that another thread
         # closed) is told now, not at its deadline; it repeats as a unary call, which a closed
@@ -265,7 +259,6 @@ class Session:
         if self._has_work is not None:
             self._has_work.set()  # ends the writer
         tasks, self._tasks = self._tasks, ()
-        channel, self._channel = self._channel, None
         try:
             if call is not None:
                 try:
@@ -278,20 +271,9 @@ class Session:
             if tasks:
                 await asyncio.wait(tasks, timeout=1.0)
         finally:
-            if channel is not None and self._shared_channel is None:
-                await channel.close()
             # Why: a cancelled task's traceback refers back to this session and its call; drop
             # the references so nothing keeps the call (and its channel) alive until a GC pass.
             self._has_work = None
-
-    def close_soon(self) -> None:
-        """Closes from any thread, without waiting (the loop does it)."""
-        running = _eventloop.current()
-        if running is not None:
-            try:
-                asyncio.run_coroutine_threadsafe(self.close(), running)
-            except RuntimeError:
-                pass  # the loop closed meanwhile (interpreter exit)
 
 
 def _why(exc: BaseException) -> str:
