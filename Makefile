@@ -89,6 +89,7 @@ bench-host: $(GLOO_VENV)/.installed
 	$(GLOO_VENV)/bin/python benchmarks/host_collectives.py $(BENCH_HOST_ARGS)
 
 lint: $(BIN)/.installed
+	$(BIN)/python scripts/check_imports.py
 	$(BIN)/ruff check gridcomm tests benchmarks
 	$(BIN)/mypy
 

@@ -26,7 +26,8 @@ def main() -> None:
                     help="the checkout to import gridcomm from")
     args = ap.parse_args()
     sys.path.insert(0, args.gridcomm)
-    from gridcomm import _server, _servicer
+    from gridcomm._coordinator import server as _server
+    from gridcomm._coordinator import servicer as _servicer
     from gridcomm._proto import coordinator_pb2 as pb
 
     async def run() -> list[float]:

@@ -37,7 +37,7 @@ import cupy  # noqa: E402
 from cupy.cuda import nccl  # noqa: E402
 
 import gridcomm  # noqa: E402
-from gridcomm import _nccl as gridcomm_nccl  # noqa: E402
+from gridcomm._backends import nccl as gridcomm_nccl  # noqa: E402
 
 F32, SUM = nccl.NCCL_FLOAT32, nccl.NCCL_SUM
 

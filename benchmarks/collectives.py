@@ -50,7 +50,7 @@ import numpy  # noqa: E402
 from cupy.cuda import nccl  # noqa: E402
 
 import gridcomm  # noqa: E402
-from gridcomm import _nccl as gridcomm_nccl  # noqa: E402
+from gridcomm._backends import nccl as gridcomm_nccl  # noqa: E402
 
 SMALL_SIZES = (4, 1024, 64 * 1024)
 PEERS = ("raw", "gridcomm", "cupyx", "torch", "rawgc")

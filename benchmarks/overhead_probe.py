@@ -18,7 +18,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import cupy  # noqa: E402
 from cupy.cuda import nccl  # noqa: E402
 
-from gridcomm import _nccl as gridcomm_nccl  # noqa: E402
+from gridcomm._backends import nccl as gridcomm_nccl  # noqa: E402
 
 N = 200_000
 

@@ -5,9 +5,10 @@ The public API is what this module exports; everything in ``gridcomm._*`` is pri
 
 from __future__ import annotations
 
-from gridcomm._api import init_process_group
-from gridcomm._client import CoordinatorClient
-from gridcomm._comm import Communicator
+from gridcomm._client.client import CoordinatorClient
+from gridcomm._communicator.communicator import Communicator
+from gridcomm._communicator.process_group import init_process_group
+from gridcomm._coordinator.server import Coordinator
 from gridcomm._errors import (
     ArgumentError,
     AuthenticationError,
@@ -20,8 +21,7 @@ from gridcomm._errors import (
     RankFailedError,
     RendezvousTimeout,
 )
-from gridcomm._health import start_health_server
-from gridcomm._server import Coordinator
+from gridcomm._runtime.health import start_health_server
 
 __version__ = "0.1.0"
 

@@ -4,11 +4,11 @@ import this, never the server's."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import grpc
 
-from gridcomm import _progress
 from gridcomm._errors import (
     AuthenticationError,
     CommAborted,
@@ -31,6 +31,27 @@ CHUNK_BYTES = 1024 * 1024
 MAX_REQUEST_BYTES = CHUNK_BYTES + 64 * 1024
 #: Largest message sent (the coordinator's answers; a Session reply batches several).
 MAX_MESSAGE_BYTES = 80 * 1024 * 1024
+
+
+_RANK_PREFIX = re.compile(r"^rank \d+( of \d+)?: ")
+
+
+def _label(what: str) -> str:
+    """``'rank 3 of 8: join'`` -> ``'join'``: the part of a call's name a server message repeats."""
+    return _RANK_PREFIX.sub("", what, count=1)
+
+
+def without_repeat(what: str, details: str) -> str:
+    """``details`` without the label ``what`` already says (``"barrier 'x': barrier 'x' #2: ..."``
+    reads ``"barrier 'x': #2: ..."``; the sequence number is kept)."""
+    label = _label(what)
+    if label and details.startswith(label):
+        rest = details[len(label):]
+        if rest.startswith(": "):
+            return rest[2:]
+        if rest.startswith(" #"):
+            return rest[1:]
+    return details
 
 
 def ranks_text(ranks: Iterable[int], limit: int = 2048) -> str:
@@ -83,7 +104,7 @@ def translate(error: grpc.RpcError, what: str, target: str) -> GridcommError:
     """Turns a gRPC error into the library's error, with a message that names the call and address."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
     details = (error.details() if hasattr(error, "details") else None) or str(code)  # type: ignore[attr-defined]
-    details = _progress.without_repeat(what, details)  # no "barrier 'x': barrier 'x': ..."
+    details = without_repeat(what, details)  # no "barrier 'x': barrier 'x': ..."
     failed = _metadata_value(error, FAILED_KEY)
     if failed is not None:
         rank = int(failed) if failed.lstrip("-").isdigit() else -1

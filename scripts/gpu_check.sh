@@ -36,7 +36,7 @@ for probe in ("import ml_dtypes; print('ml_dtypes', ml_dtypes.__version__, numpy
         print("probe failed:", probe[:40], repr(exc))
 PY
 python3 - <<'PY' 2>&1 | tee -a "$OUT/gpu.txt"
-from gridcomm import _nccl
+from gridcomm._backends import nccl as _nccl
 print("NCCL engine:", _nccl.engine(), "| setting:", _nccl.engine_setting(), "| nccl4py:",
       "loads" if _nccl._load_nccl4py() else f"not usable ({_nccl._nccl4py_why})")
 try:

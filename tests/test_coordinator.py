@@ -242,7 +242,7 @@ def test_failure_report_reaches_waiters_and_turns_status(coordinator_factory):
     assert not waiter.is_alive()
     assert isinstance(errors[0], gridcomm.RankFailedError)
     assert errors[0].rank == 1 and "out of memory" in str(errors[0])
-    status = gridcomm._client.fetch_status("127.0.0.1", server.port)
+    status = gridcomm._client.client.fetch_status("127.0.0.1", server.port)
     assert not status.serving and status.failures[0].rank == 1
 
 

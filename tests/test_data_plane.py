@@ -134,7 +134,7 @@ def test_rank_killed_inside_a_large_all_reduce_is_named_on_the_others(ranks: Cal
 
 WRONG_TOKEN = """
 import dataclasses, os, secrets, socket, numpy as np, gridcomm
-from gridcomm import _p2p
+from gridcomm._backends.host import plane as _p2p
 rank = int(os.environ["GRIDCOMM_RANK"])
 comm = gridcomm.init_process_group(backend="host")
 x = np.ones(4)

@@ -25,7 +25,8 @@ import yaml
 from yamllint import linter
 from yamllint.config import YamlLintConfig
 
-from gridcomm import _cli, _cluster, _config
+from gridcomm import _cluster, _config
+from gridcomm._cli.main import main as _cli
 from tests.support import k8s_jobs
 from tests.support.procs import ROOT
 

@@ -172,7 +172,7 @@ if comm is not None:
 AWAIT_STATUS_CODE = r"""
 import sys, time
 import gridcomm
-from gridcomm._client import fetch_status
+from gridcomm._client.client import fetch_status
 
 port, rank, limit, name = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 deadline = time.monotonic() + limit

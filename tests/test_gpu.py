@@ -242,7 +242,7 @@ client.leave()
 
 
 def _needs_nccl4py() -> None:
-    from gridcomm import _nccl
+    from gridcomm._backends import nccl as _nccl
 
     if _nccl.engine() != "nccl4py":
         pytest.skip("needs nccl4py: CuPy's ncclCommInitRank cannot be aborted (it blocks until the peer comes)")
@@ -267,7 +267,7 @@ def test_nccl_init_whose_peer_never_arrives_ends_at_the_deadline_aborted(coordin
     GPU then builds a new communicator (nothing was left spinning)."""
     _needs_nccl4py()
     import gridcomm
-    from gridcomm import _nccl
+    from gridcomm._backends import nccl as _nccl
 
     client, peer = _rank0_beside_an_absent_peer(coordinator_factory, 20)
     with peer:
@@ -293,7 +293,7 @@ def test_nccl_init_is_aborted_as_soon_as_a_peer_is_reported_failed(coordinator_f
     the init: connect raises that RankFailedError at once, not at the deadline."""
     _needs_nccl4py()
     import gridcomm
-    from gridcomm import _nccl
+    from gridcomm._backends import nccl as _nccl
 
     client, peer = _rank0_beside_an_absent_peer(coordinator_factory, 20)
     with peer:

@@ -1,100 +1,72 @@
-"""Import direction: errors <- config <- coordinator <- communicator <- api <- cli.
+"""Import rules: the forbidden edges between gridcomm's layers (scripts/check_imports.py).
 
-gRPC and CuPy never import each other's side; ``import gridcomm`` imports no CuPy.
+The check must hold on the tree and must bite: a planted client -> coordinator import in a copy of
+the package is reported. ``import gridcomm`` imports no CuPy and starts no thread.
 """
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 
 from tests.support.procs import ROOT
 
 PKG = os.path.join(ROOT, "gridcomm")
-
-# Layer of each private module; a module may import only from its own layer or lower ones.
-LAYERS = {
-    "_errors": 0,
-    "_config": 1,
-    "_cluster": 1,
-    "_rendezvous": 2,
-    "_proto": 2,
-    "_wire": 2,
-    "_servicer": 2.8,
-    "_stream": 2.9,
-    "_eventloop": 1,
-    "_guard": 2.5,
-    "_metrics": 2.6,
-    "_progress": 1,
-    "_server": 3,
-    "_channel": 3.5,
-    "_session": 3.7,
-    "_client": 4,
-    "_liveness": 3.8,  # the watcher a joined client starts (it reads the client through a Protocol)
-    "_health": 4.5,
-    "_validate": 5,
-    "_nccl": 5,
-    "_shm": 5,
-    "_p2p": 5,
-    "_host": 5,
-    "_comm": 6,
-    "_api": 7,
-    "_launch": 8,
-    "_demo": 8,
-    "_statusview": 8.5,
-    "_cli": 9,
-    "__init__": 8,
-    "__main__": 10,
-}
-# Modules that may import grpc; the NCCL backend must not, and the control plane never imports cupy.
-GRPC_FREE = {"_errors", "_config", "_eventloop", "_rendezvous", "_nccl", "_validate", "_shm", "_p2p"}
-CUPY_ALLOWED = {"_nccl", "_comm", "_api", "_demo", "_launch"}
+_spec = importlib.util.spec_from_file_location("check_imports", os.path.join(ROOT, "scripts", "check_imports.py"))
+assert _spec and _spec.loader
+check_imports = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check_imports)
 
 
-def _imports(path: str) -> set[str]:
-    tree = ast.parse(open(path, encoding="utf-8").read())
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-            if node.module == "gridcomm":
-                names.update(f"gridcomm.{a.name}" for a in node.names)
-    return names
+def test_import_rules_hold_on_the_tree():
+    assert check_imports.violations(PKG) == []
 
 
-def _modules() -> list[str]:
-    return sorted(f[:-3] for f in os.listdir(PKG) if f.endswith(".py"))
+def _copy(tmp_path) -> str:
+    copy = os.path.join(tmp_path, "gridcomm")
+    shutil.copytree(PKG, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
 
 
-def test_every_module_has_a_layer():
-    assert set(_modules()) <= set(LAYERS), set(_modules()) - set(LAYERS)
+def _plant(copy: str, module: str, line: str) -> None:
+    path = os.path.join(copy, *module.split("/"))
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"\n\ndef _planted():\n    {line}\n")
 
 
-def test_imports_flow_one_way():
-    bad = []
-    for mod in _modules():
-        for name in _imports(os.path.join(PKG, mod + ".py")):
-            if not name.startswith("gridcomm."):
-                continue
-            target = name.split(".")[1]
-            if target in LAYERS and LAYERS[target] > LAYERS[mod]:
-                bad.append(f"{mod} imports {target}")
-    assert not bad, bad
+def test_a_planted_client_to_coordinator_import_is_caught(tmp_path):
+    copy = _copy(tmp_path)
+    _plant(copy, "_client/client.py", "from gridcomm._coordinator import server  # noqa: F401")
+    bad = check_imports.violations(copy)
+    assert len(bad) == 1 and "_client/client.py" in bad[0] and "gridcomm._coordinator" in bad[0], bad
+    # The command line form fails too (what `make lint` runs).
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "check_imports.py"), copy],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "_client imports gridcomm._coordinator" in out.stdout, out.stdout
 
 
-def test_grpc_and_cupy_stay_apart():
-    bad = []
-    for mod in _modules():
-        names = _imports(os.path.join(PKG, mod + ".py"))
-        if mod in GRPC_FREE and any(n == "grpc" or n.startswith(("grpc.", "grpc_")) for n in names):
-            bad.append(f"{mod} imports grpc")
-        if mod not in CUPY_ALLOWED and any(n == "cupy" or n.startswith(("cupy.", "cupyx")) for n in names):
-            bad.append(f"{mod} imports cupy")
-    assert not bad, bad
+def test_each_forbidden_edge_bites(tmp_path):
+    copy = _copy(tmp_path)
+    planted = {
+        "_runtime/health.py": "from gridcomm._coordinator import server",
+        "_backends/host/backend.py": "from gridcomm._proto import coordinator_pb2",
+        "_coordinator/servicer.py": "import gridcomm._client.client",
+        "_wire.py": "from gridcomm._client import progress",
+        "_communicator/communicator.py": "from gridcomm import _cli",
+        "_backends/nccl.py": "import grpc",
+        "_coordinator/state.py": "import cupy",
+    }
+    for module, line in planted.items():
+        _plant(copy, module, line + "  # noqa")
+    open(os.path.join(copy, "_stray.py"), "w").close()
+    bad = check_imports.violations(copy)
+    for module in planted:
+        assert any(b.startswith(f"gridcomm/{module}:") for b in bad), (module, bad)
+    assert any("_stray.py" in b and "no layer" in b for b in bad), bad
+    assert len(bad) == len(planted) + 1, bad
 
 
 def test_import_gridcomm_loads_no_cupy_and_starts_no_thread():

@@ -55,7 +55,7 @@ def test_failing_rank_stops_the_others(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_launch_module_with_collectives():
-    result = launch("--nproc", "2", "--backend", "host", "-m", "gridcomm._demo")
+    result = launch("--nproc", "2", "--backend", "host", "-m", "gridcomm._cli.demo")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count('"ok": true') == 20  # 10 checked collectives on each of 2 ranks
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import gridcomm
-from gridcomm import _nccl
+from gridcomm._backends import nccl as _nccl
 from tests.support.procs import RankProcesses, assert_all_ok, report
 
 
@@ -70,7 +70,7 @@ def test_a_world_of_at_most_k_ranks_uses_the_one_key_it_always_used():
 
 EXCHANGE = """
 import os, sys, time, gridcomm
-from gridcomm import _nccl
+from gridcomm._backends import nccl as _nccl
 rank = int(os.environ["GRIDCOMM_RANK"]); world = int(os.environ["GRIDCOMM_WORLD_SIZE"])
 client = gridcomm.CoordinatorClient("127.0.0.1", int(os.environ["PORT"]), rank, world, timeout_s=30)
 client.join()

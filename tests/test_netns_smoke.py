@@ -35,7 +35,7 @@ WORLD = 4
 #: The issue's bound: an error must arrive within the call's deadline plus this.
 SLACK_S = 2.0
 #: Today the client gives a call that gets no answer a gRPC deadline of exactly its wait + 2 s
-#: (gridcomm._client._CALL_SLACK_S), so such an error lands on the bound itself, a few ms over as
+#: (gridcomm._client.client._CALL_SLACK_S), so such an error lands on the bound itself, a few ms over as
 #: the rank measures it. This allowance covers that measuring; set it to 0 once the client keeps
 #: headroom under the bound.
 TOLERANCE_S = 0.25

@@ -348,7 +348,7 @@ def _handle_events() -> None:
 def test_a_late_grpc_event_for_a_closed_loop_is_dropped_quietly(caplog: pytest.LogCaptureFixture):
     """grpc.aio delivers a closed loop's completions through another loop of the process; the
     RuntimeError that raises there is dropped (nothing can act on it), anything else is not."""
-    from gridcomm._eventloop import drop_late_grpc_events
+    from gridcomm._runtime.loop import drop_late_grpc_events
 
     loop = asyncio.new_event_loop()
     try:

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from gridcomm import GridcommError
-from gridcomm._client import fetch_status
+from gridcomm._client.client import fetch_status
 from tests.support.procs import ROOT
 from tests.support.ranks import LIVENESS, READINESS, Rank, check, free_port, kill_all, observe, wait_status
 

@@ -1,5 +1,5 @@
 """Server bugs the fuzzing found, each pinned by a test with a minimal reproducer (all fixed; the
-grpcio 1.84-1.85 aio non-UTF-8 :path crash by the watchdog of gridcomm._guard)."""
+grpcio 1.84-1.85 aio non-UTF-8 :path crash by the watchdog of gridcomm._runtime.guard)."""
 
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gridcomm._rendezvous import (
+from gridcomm._coordinator.state import (
     ABORTED,
     ALREADY_EXISTS,
     FAILED_PRECONDITION,

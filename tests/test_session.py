@@ -40,7 +40,7 @@ import grpc
 import pytest
 
 import gridcomm
-from gridcomm._client import fetch_status
+from gridcomm._client.client import fetch_status
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from tests.support.calls import (
@@ -795,7 +795,7 @@ def test_a_stream_cut_late_in_a_wait_keeps_the_callers_deadline(coordinator_fact
 def test_a_long_poll_goes_on_after_its_first_slice_and_keeps_the_clients_deadline(coordinator_factory, monkeypatch, mode):
     slice_s, timeout_s = 0.8, 1.2
     bound_s = timeout_s + 0.45  # counted again from the second slice it would be slice_s + timeout_s = 2.0 s
-    monkeypatch.setattr(gridcomm._client, "PROGRESS_INTERVAL_S", slice_s)
+    monkeypatch.setattr(gridcomm._client.client, "PROGRESS_INTERVAL_S", slice_s)
     server = coordinator_factory(2)
     with clients(server.port, 2, mode) as ranks, ThreadPoolExecutor(2) as pool:
         on_threads(lambda c: c.join(), ranks)

@@ -49,7 +49,7 @@ EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
 NEVER = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
-# The coordinator's documented default limits (gridcomm._rendezvous.Limits).
+# The coordinator's documented default limits (gridcomm._coordinator.state.Limits).
 MAX_KEY_BYTES = 1024
 MAX_NAME_BYTES = 1024
 MAX_HOSTNAME_BYTES = 256

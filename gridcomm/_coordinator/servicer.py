@@ -2,9 +2,9 @@
 
 Every operation is one coroutine ``op(request, deadline)`` (``deadline``: the loop time by which
 the caller must have its answer, or None), run alike for a unary call and for a message of a
-Session stream (:mod:`gridcomm._stream`); a refusal is raised (:class:`Abort`, or the
-:class:`~gridcomm._rendezvous.StateError` of a decision) and turned into a status by the caller.
-The decisions live in :mod:`gridcomm._rendezvous`; this module checks, waits, wakes and answers.
+Session stream (:mod:`gridcomm._coordinator.session`); a refusal is raised (:class:`Abort`, or the
+:class:`~gridcomm._coordinator.state.StateError` of a decision) and turned into a status by the caller.
+The decisions live in :mod:`gridcomm._coordinator.state`; this module checks, waits, wakes and answers.
 A waiting operation costs a future, never a thread.
 """
 
@@ -20,9 +20,9 @@ from typing import Any, Protocol
 
 import grpc
 
-from gridcomm._metrics import CoordinatorMetrics
+from gridcomm._coordinator.metrics import CoordinatorMetrics
+from gridcomm._coordinator.state import REBUILD, SHRINK, JobState, Member, MemberState, StateError, quote
 from gridcomm._proto import coordinator_pb2 as pb
-from gridcomm._rendezvous import REBUILD, SHRINK, JobState, Member, MemberState, StateError, quote
 from gridcomm._wire import CHUNK_BYTES, FAILED_KEY, MISSING_KEY, ranks_text
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ def _failure_pb(failure: Any) -> pb.Failure:
 
 
 class Owner(Protocol):
-    """What the operations read of the server that runs them (gridcomm._server.Coordinator)."""
+    """What the operations read of the server that runs them (gridcomm._coordinator.server.Coordinator)."""
 
     state: JobState
     _token: str | None
@@ -172,7 +172,7 @@ class Owner(Protocol):
 
 
 class Servicer:
-    """The coordinator's operations over its :class:`~gridcomm._rendezvous.JobState`."""
+    """The coordinator's operations over its :class:`~gridcomm._coordinator.state.JobState`."""
 
     def __init__(self, owner: Owner) -> None:
         self._owner = owner

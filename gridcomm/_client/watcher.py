@@ -1,4 +1,4 @@
-"""Liveness, on the process-wide background loop (:mod:`gridcomm._eventloop`).
+"""Liveness, on the process-wide background loop (:mod:`gridcomm._runtime.loop`).
 
 The loop hosts, for every joined coordinator client of this process (a communicator's, or a bare
 one), a watcher that long-polls the coordinator's Heartbeat (so the coordinator knows the rank is alive, and the
@@ -7,7 +7,7 @@ the coordinator for the heartbeat timeout, it calls the communicator's failure h
 thread (which aborts NCCL work that may be spinning on the GPU). After a peer's failure it goes
 on heartbeating until the rank stops: the rank is alive (it may be writing a checkpoint), and a
 rank that went silent would be reported failed too, one crash reading as several.
-The per-rank grpc.health.v1 server kubelet probes lives in :mod:`gridcomm._health`.
+The per-rank grpc.health.v1 server kubelet probes lives in :mod:`gridcomm._runtime.health`.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import grpc
 
 from gridcomm import _config
 from gridcomm._errors import CoordinatorLost, CoordinatorUnavailable, GridcommError, RankFailedError
-from gridcomm._eventloop import current as _current_loop
-from gridcomm._eventloop import loop as _runtime
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from gridcomm._runtime.loop import current as _current_loop
+from gridcomm._runtime.loop import loop as _runtime
 from gridcomm._wire import translate
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def failure_error(failure: pb.Failure, observer: int) -> RankFailedError:
 
 
 class Watched(Protocol):
-    """What a watcher reads of the client it watches for (gridcomm._client.CoordinatorClient)."""
+    """What a watcher reads of the client it watches for (gridcomm._client.client.CoordinatorClient)."""
 
     rank: int
     target: str

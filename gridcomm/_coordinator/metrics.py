@@ -24,7 +24,7 @@ from typing import Any
 
 from gridcomm import _config
 from gridcomm._errors import CoordinatorUnavailable
-from gridcomm._guard import bind_problem
+from gridcomm._runtime.guard import bind_problem
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 No thread is started per client: calls run on the caller's thread and gRPC's own core, or, for
 join, set, get, barrier and leave, travel on the client's Session stream (see
-:mod:`gridcomm._session`; unary RPCs when GRIDCOMM_SESSION=off or when the stream breaks). Long
+:mod:`gridcomm._client.session`; unary RPCs when GRIDCOMM_SESSION=off or when the stream breaks). Long
 waits are made of bounded slices so progress is logged ("waiting for 3 of 64 ranks: [5, 17, 40]")
 and no single call outlives its deadline. Transient UNAVAILABLE is retried by the channel's
 retry policy (jittered exponential backoff); the first contact waits for the channel to be
@@ -22,8 +22,11 @@ from typing import Any, TypeVar
 
 import grpc
 
-from gridcomm import _config, _eventloop, _progress, _session
-from gridcomm._channel import make_aio_channel, make_channel
+from gridcomm import _config
+from gridcomm._client import progress as _progress
+from gridcomm._client import session as _session
+from gridcomm._client.channel import make_aio_channel, make_channel
+from gridcomm._client.watcher import Watcher
 from gridcomm._errors import (
     CommAborted,
     ConfigError,
@@ -31,9 +34,9 @@ from gridcomm._errors import (
     GridcommError,
     RendezvousTimeout,
 )
-from gridcomm._liveness import Watcher
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from gridcomm._runtime import loop as _eventloop
 from gridcomm._wire import CHUNK_BYTES, translate
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The coordinator's lifecycle: a ``grpc.aio`` server on a thread of its own, its health, and the
-wiring of the RPCs to the operations (:mod:`gridcomm._servicer`) and the Session stream
-(:mod:`gridcomm._stream`)."""
+wiring of the RPCs to the operations (:mod:`gridcomm._coordinator.servicer`) and the Session stream
+(:mod:`gridcomm._coordinator.session`)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,15 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
-from gridcomm import _config, _metrics
+from gridcomm import _config
+from gridcomm._coordinator import metrics as _metrics
+from gridcomm._coordinator.servicer import UNDECODABLE, Abort, Servicer, refuse
+from gridcomm._coordinator.session import ServerSession
+from gridcomm._coordinator.state import JobState, Limits
 from gridcomm._errors import ConfigError, CoordinatorUnavailable
-from gridcomm._eventloop import drop_late_grpc_events
-from gridcomm._guard import MAX_METADATA_BYTES, BoundedHealth, GuardedServer, health_server_options
 from gridcomm._proto import coordinator_pb2 as pb
-from gridcomm._rendezvous import JobState, Limits
-from gridcomm._servicer import UNDECODABLE, Abort, Servicer, refuse
-from gridcomm._stream import ServerSession
+from gridcomm._runtime.guard import MAX_METADATA_BYTES, BoundedHealth, GuardedServer, health_server_options
+from gridcomm._runtime.loop import drop_late_grpc_events
 from gridcomm._wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, SERVICE_NAME
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ has a stream of its own: a rank is a process (one pod, or one of the few process
 under ``gridcomm launch``), so there is nothing to share (see "Deployment shapes" in DESIGN.md).
 ``GRIDCOMM_SESSION=off`` uses the unary RPCs only.
 
-The stream lives on the process-wide background loop (:mod:`gridcomm._eventloop`): no thread per
+The stream lives on the process-wide background loop (:mod:`gridcomm._runtime.loop`): no thread per
 client. A calling thread queues its operation and waits, bounded, for its result. Every operation
 is idempotent (barrier arrivals carry a sequence number, joins an incarnation), so when the stream
 breaks the client repeats the operation as a unary call; when no answer comes in time the caller
@@ -25,9 +25,9 @@ from typing import Any
 
 import grpc
 
-from gridcomm import _eventloop
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from gridcomm._runtime import loop as _eventloop
 
 log = logging.getLogger(__name__)
 

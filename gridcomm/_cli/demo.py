@@ -13,14 +13,14 @@ from collections.abc import Callable
 from typing import Any
 
 from gridcomm import _config
-from gridcomm._launch import free_port, rank_environments
+from gridcomm._cli.launch import free_port, rank_environments
 
 ELEMENTS = 1024
 
 
 def _worker() -> int:
     """One rank: every collective once checked, then timed."""
-    from gridcomm._api import init_process_group
+    from gridcomm._communicator.process_group import init_process_group
 
     t0 = time.perf_counter()
     comm = init_process_group(backend=_config.backend())
@@ -100,10 +100,10 @@ def run_demo(nproc: int = 4, backend: str | None = None, iters: int | None = Non
     environ = dict(_config.process_environ())
     chosen = _config.backend(backend) if backend is not None else environ.get("GRIDCOMM_BACKEND", "auto")
     if chosen == "auto":
-        from gridcomm import _nccl
+        from gridcomm._backends import nccl as _nccl
 
         # One GPU per rank: NCCL refuses two ranks on one GPU, so fall back to host otherwise.
-        from gridcomm._launch import visible_gpus
+        from gridcomm._cli.launch import visible_gpus
 
         chosen = "nccl" if _nccl.available() and len(visible_gpus(environ)) >= nproc else "host"
     if iters is not None:
@@ -116,7 +116,7 @@ def run_demo(nproc: int = 4, backend: str | None = None, iters: int | None = Non
             out = tempfile.TemporaryFile(mode="w+")
             err = tempfile.TemporaryFile(mode="w+")
             files.append((out, err))
-            procs.append(subprocess.Popen([sys.executable, "-m", "gridcomm._demo"], env=env, stdout=out, stderr=err,
+            procs.append(subprocess.Popen([sys.executable, "-m", "gridcomm._cli.demo"], env=env, stdout=out, stderr=err,
                                           text=True))
         codes = [proc.wait(timeout=300) for proc in procs]
     finally:

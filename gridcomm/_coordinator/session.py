@@ -1,5 +1,5 @@
 """The coordinator's side of a Session stream: operations read in batches, each run as its unary
-RPC runs it (:class:`gridcomm._servicer.Servicer`), results written in batches.
+RPC runs it (:class:`gridcomm._coordinator.servicer.Servicer`), results written in batches.
 
 Each operation of a stream is a task of its own; the results that complete between two writes go
 out as one reply, so a barrier that releases a rank costs its stream one message.
@@ -13,8 +13,8 @@ from typing import Any
 
 import grpc
 
+from gridcomm._coordinator.servicer import UNDECODABLE, Abort, Servicer, refuse, status_of
 from gridcomm._proto import coordinator_pb2 as pb
-from gridcomm._servicer import UNDECODABLE, Abort, Servicer, refuse, status_of
 
 #: What a Session operation runs: the operation of its unary RPC.
 OPERATIONS: dict[str, Callable[[Servicer, Any, float | None], Awaitable[Any]]] = {

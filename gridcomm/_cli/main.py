@@ -15,9 +15,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gridcomm import _config
-from gridcomm._channel import channel_options
+from gridcomm._client.channel import channel_options
+from gridcomm._coordinator.server import Coordinator
 from gridcomm._errors import ConfigError, GridcommError
-from gridcomm._server import Coordinator
 
 log = logging.getLogger("gridcomm")
 
@@ -142,7 +142,7 @@ def probe(target: str, service: str = "", timeout_s: float = 5.0) -> tuple[int, 
 
 
 def _status(args: argparse.Namespace) -> int:
-    from gridcomm import _statusview
+    from gridcomm._cli import status as _statusview
 
     host, port = _config.parse_target(args.target)
     timeout_s = _config.parse_duration("--timeout-s", args.timeout_s)
@@ -168,14 +168,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "status":
             return _status(args)
         if args.command == "launch":
-            from gridcomm._launch import launch
+            from gridcomm._cli.launch import launch
 
             command = list(args.argv)
             if args.module:
                 command = ["-m", args.module, *command]
             return launch(args.nproc, command, backend=args.backend)
         if args.command == "demo":
-            from gridcomm._demo import run_demo
+            from gridcomm._cli.demo import run_demo
 
             return run_demo(nproc=args.nproc, backend=args.backend, iters=args.iters)
     except GridcommError as exc:

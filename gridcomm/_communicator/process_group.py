@@ -6,13 +6,14 @@ import dataclasses
 import logging
 import time
 
-from gridcomm import _cluster, _config, _health
-from gridcomm._client import CoordinatorClient
-from gridcomm._comm import Communicator, build_backend
+from gridcomm import _cluster, _config
+from gridcomm._backends.host.plane import PlaneConfig, local_address
+from gridcomm._client.client import CoordinatorClient
+from gridcomm._communicator.communicator import Communicator, build_backend
+from gridcomm._coordinator.server import Coordinator
 from gridcomm._errors import ConfigError, GridcommError
-from gridcomm._health import ProcessHealth
-from gridcomm._p2p import PlaneConfig, local_address
-from gridcomm._server import Coordinator
+from gridcomm._runtime import health as _health
+from gridcomm._runtime.health import ProcessHealth
 
 log = logging.getLogger(__name__)
 
@@ -21,11 +22,11 @@ def resolve_backend(name: str | None) -> str:
     """'auto' picks nccl where CuPy sees a GPU and NCCL is available, else host."""
     choice = _config.backend(name)
     if choice == "auto":
-        from gridcomm import _nccl
+        from gridcomm._backends import nccl as _nccl
 
         choice = "nccl" if _nccl.available() else "host"
     elif choice == "nccl":
-        from gridcomm import _nccl
+        from gridcomm._backends import nccl as _nccl
 
         _nccl.require_gpu()  # issue 18: say so (and suggest host/auto) before the rendezvous
     return choice

@@ -15,33 +15,13 @@ import time
 from collections.abc import Callable, Sequence
 
 from gridcomm._errors import RendezvousTimeout
+from gridcomm._wire import without_repeat
 
 log = logging.getLogger(__name__)
 
 #: The first wait worth a warning, and how often a wait that goes on says so again (seconds).
 FIRST_S = 10.0
 EVERY_S = 30.0
-
-_RANK_PREFIX = re.compile(r"^rank \d+( of \d+)?: ")
-
-
-def _label(what: str) -> str:
-    """``'rank 3 of 8: join'`` -> ``'join'``: the part of a call's name a server message repeats."""
-    return _RANK_PREFIX.sub("", what, count=1)
-
-
-def without_repeat(what: str, details: str) -> str:
-    """``details`` without the label ``what`` already says (``"barrier 'x': barrier 'x' #2: ..."``
-    reads ``"barrier 'x': #2: ..."``; the sequence number is kept)."""
-    label = _label(what)
-    if label and details.startswith(label):
-        rest = details[len(label):]
-        if rest.startswith(": "):
-            return rest[2:]
-        if rest.startswith(" #"):
-            return rest[1:]
-    return details
-
 
 def _refused(details: str, rank: int) -> bool:
     return f"rank {rank} (from " in details and "was refused" in details

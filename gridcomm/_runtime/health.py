@@ -3,7 +3,7 @@
 Two services, two questions:
 
 - ``""`` is liveness: SERVING whenever the server answers. It runs on the process's background
-  loop (:mod:`gridcomm._eventloop`), so an answer means the process and that loop are alive;
+  loop (:mod:`gridcomm._runtime.loop`), so an answer means the process and that loop are alive;
   nothing a peer does changes it. Why: a survivor that reports a peer's failure, writes a
   checkpoint or rebuilds its communicator must not be restarted by its liveness probe (a kill
   there turned the failure policy's exit code 3 into 137).
@@ -27,9 +27,9 @@ from grpc_health.v1 import health_pb2
 
 from gridcomm import _config
 from gridcomm._errors import CoordinatorUnavailable
-from gridcomm._eventloop import run_soon, submit
-from gridcomm._guard import BoundedHealth, GuardedServer, health_server_options
-from gridcomm._server import SERVICE_NAME
+from gridcomm._runtime.guard import BoundedHealth, GuardedServer, health_server_options
+from gridcomm._runtime.loop import run_soon, submit
+from gridcomm._wire import SERVICE_NAME
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -1,7 +1,7 @@
 """The host backend: the communicator API over NumPy arrays, data moved directly between ranks.
 
 It exists so every multi-rank behaviour runs where there is no GPU (CI, laptops, CPU jobs). The
-coordinator only introduces the ranks (:mod:`gridcomm._p2p` publishes each rank's data-plane
+coordinator only introduces the ranks (:mod:`gridcomm._backends.host.plane` publishes each rank's data-plane
 address through its key-value store); bytes then go rank to rank, through shared memory between
 ranks of one host. Calls are synchronous: ``stream`` is accepted for API compatibility and ignored.
 
@@ -35,8 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from gridcomm import _p2p, _validate
-from gridcomm._client import CoordinatorClient
+from gridcomm._backends import validate as _validate
+from gridcomm._backends.host import plane as _p2p
+from gridcomm._client.client import CoordinatorClient
 from gridcomm._errors import GridcommError, coordinator_lost
 
 _REDUCE: dict[str, Callable[..., Any]] = {

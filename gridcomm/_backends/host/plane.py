@@ -10,7 +10,7 @@ from then on bytes move between the two ranks alone.
 - **Link.** One connection per pair of ranks and communicator, made on first use: the lower rank
   dials, the higher one accepts (so two ranks never dial each other at once). Its first bytes are
   an HMAC challenge-response over the job's token in both directions (the token itself never
-  crosses the wire), inside TLS when the job uses TLS. Ranks on one host (see :mod:`gridcomm._shm`)
+  crosses the wire), inside TLS when the job uses TLS. Ranks on one host (see :mod:`gridcomm._backends.host.shm`)
   then agree on two shared-memory segments, one per direction, and move payloads through them;
   the socket carries only small frame headers ("slot 3 holds 512 KiB of message 17") and credits
   ("slot 3 is free again"), so the buffers are bounded by the slots on both sides.
@@ -48,7 +48,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gridcomm import _config, _shm
+from gridcomm import _config
+from gridcomm._backends.host import shm as _shm
 from gridcomm._errors import (
     AuthenticationError,
     CommAborted,

@@ -32,7 +32,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from gridcomm import _config, _validate
+from gridcomm import _config
+from gridcomm._backends import validate as _validate
 from gridcomm._errors import ArgumentError, ConfigError, GridcommError, RendezvousTimeout
 
 log = logging.getLogger(__name__)

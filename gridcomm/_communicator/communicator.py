@@ -13,7 +13,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from gridcomm._client import SHORT_CALL_S, CoordinatorClient
+from gridcomm._backends.host.plane import PlaneConfig
+from gridcomm._client.client import SHORT_CALL_S, CoordinatorClient
 from gridcomm._errors import (
     CommAborted,
     ConfigError,
@@ -23,9 +24,7 @@ from gridcomm._errors import (
     RankFailedError,
     coordinator_lost,
 )
-from gridcomm._health import ProcessHealth
-from gridcomm._p2p import PlaneConfig
-from gridcomm._server import Coordinator
+from gridcomm._runtime.health import ProcessHealth
 
 log = logging.getLogger(__name__)
 
@@ -46,22 +45,30 @@ def build_backend(kind: str, client: CoordinatorClient, name: str, rank: int, si
     watcher has seen (or None): a backend that waits for its peers gives up when it is set.
     ``timeout_s`` bounds NCCL's creation (default: the client's timeout)."""
     if kind == "host":
-        from gridcomm._host import HostBackend
+        from gridcomm._backends.host.backend import HostBackend
 
         if plane is None:
             raise ConfigError("the host backend needs its data-plane settings (PlaneConfig); build it through "
                               "init_process_group.")
         return HostBackend(client, name, rank, size, config=plane, participants=participants)
-    from gridcomm import _nccl
+    from gridcomm._backends import nccl as _nccl
 
     return _nccl.connect(client, name, rank, size, failed=failed, timeout_s=timeout_s)
 
 
+class EmbeddedServer(Protocol):
+    """The embedded coordinator, as a communicator sees it: something to stop at the end."""
+
+    def stop(self, grace_s: float = ...) -> None: ...
+
+
 class Job(Protocol):
-    """What a root communicator reads of its rank's job (gridcomm._api.Job)."""
+    """What a root communicator reads of its rank's job (gridcomm._communicator.process_group.Job)."""
 
     health: ProcessHealth | None
-    coordinator: Coordinator | None
+
+    @property
+    def coordinator(self) -> EmbeddedServer | None: ...
 
     @property
     def grace_s(self) -> float: ...
@@ -323,7 +330,7 @@ class Communicator:
 
     def _failure_now(self) -> GridcommError | None:
         """Asks the coordinator for a failure of this generation the watcher has not told of yet."""
-        from gridcomm._liveness import failure_error
+        from gridcomm._client.watcher import failure_error
 
         try:
             failures = self._client.heartbeat()

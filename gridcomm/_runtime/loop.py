@@ -1,8 +1,8 @@
 """The process-wide background event loop: one thread per process, whatever the number of
 communicators or clients.
 
-It hosts the liveness watchers and per-rank health servers (:mod:`gridcomm._liveness`) and the
-Session streams that carry coordinator calls (:mod:`gridcomm._session`). It starts on first use,
+It hosts the liveness watchers and per-rank health servers (:mod:`gridcomm._client.watcher`) and the
+Session streams that carry coordinator calls (:mod:`gridcomm._client.session`). It starts on first use,
 never at import, and is wound down (bounded) at interpreter exit.
 """
 
