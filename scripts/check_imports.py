@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 #: The layer of a module: the name right under ``gridcomm`` (``_client``, ``_errors``, ...).
 #: The wire vocabulary, errors and configuration are leaves every layer may use.
-LEAVES = {"_errors", "_wire", "_proto", "_config", "_cluster"}
+LEAVES = {"_errors", "_wire", "_proto", "_config"}
 LAYERS = {"_runtime", "_client", "_coordinator", "_backends", "_communicator", "_cli"}
 
 #: layer -> (forbidden layers, why)

@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gridcomm import _cluster, _config
-from gridcomm._cluster import ClusterInfo, detect
+from gridcomm import _config
+from gridcomm._config import cluster as _cluster
+from gridcomm._config.cluster import ClusterInfo, detect
 from gridcomm._errors import ConfigError
 from tests.support.procs import ROOT
 

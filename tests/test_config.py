@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 
 from gridcomm import ConfigError, _config
+from gridcomm._config import registry
 
 
 def test_explicit_argument_wins():
@@ -88,3 +95,84 @@ def test_config_reads_environment_at_call_time(monkeypatch):
     assert _config.world_size() == 5
     monkeypatch.setenv("GRIDCOMM_WORLD_SIZE", "6")
     assert _config.world_size() == 6
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "gridcomm")
+
+
+def _sources() -> dict[str, str]:
+    found = {}
+    for folder, dirs, files in os.walk(PACKAGE):
+        dirs[:] = [d for d in dirs if d not in ("__pycache__", "_proto")]
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                found[os.path.relpath(path, ROOT)] = open(path, encoding="utf-8").read()
+    return found
+
+
+def test_exactly_one_module_touches_os_environ():
+    touching = sorted(path for path, text in _sources().items() if "os.environ" in text)
+    assert touching == [os.path.join("gridcomm", "_config", "readers.py")], touching
+
+
+def test_every_gridcomm_variable_in_the_code_is_in_the_registry():
+    named = set()
+    for text in _sources().values():
+        named |= {m for m in re.findall(r"GRIDCOMM_[A-Z0-9_]*[A-Z0-9]", text)}
+    # GRIDCOMM_TLS_* is how messages refer to the family, not a variable.
+    named.discard("GRIDCOMM_TLS")
+    assert named - set(registry.BY_NAME) == set(), "read or named, but not in gridcomm/_config/registry.py"
+    assert set(registry.BY_NAME) - named == set(), "in the registry, but nothing reads it"
+
+
+def test_readme_configuration_table_is_the_registry():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    begin, end = "<!-- settings:begin -->\n", "<!-- settings:end -->"
+    assert begin in readme and end in readme
+    section = readme.split(begin, 1)[1].split(end, 1)[0]
+    assert section == registry.table(), "README is stale: run python scripts/settings_table.py --write"
+    # And, row by row, what a reader sees: each variable with its default; no name the registry lacks.
+    rows = {line.split("|")[1].strip(" `"): line for line in section.splitlines()[2:]}
+    for variable in registry.VARIABLES:
+        assert variable.default in rows[variable.name].split("|")[4], variable.name
+    assert set(re.findall(r"GRIDCOMM_[A-Z0-9_]*[A-Z0-9]", section)) <= set(registry.BY_NAME)
+    check = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "settings_table.py")],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_settings_resolve_once_in_order_and_are_frozen():
+    env = {"GRIDCOMM_WORLD_SIZE": "4", "WORLD_SIZE": "9", "GRIDCOMM_RANK": "2", "RANK": "3",
+           "MASTER_ADDR": "master.example", "GRIDCOMM_TIMEOUT_S": "12", "GRIDCOMM_SHM": "off",
+           "GRIDCOMM_NCCL_ENGINE": "cupy", "GRIDCOMM_COORDINATOR": "external", "GRIDCOMM_BACKEND": "host"}
+    s = _config.Settings.resolve(environ=env)
+    assert (s.world_size, s.rank, s.client.host, s.client.port) == (4, 2, "master.example", _config.DEFAULT_PORT)
+    assert (s.timeout_s, s.plane.shm, s.nccl.engine, s.embedded, s.backend) == (12.0, False, "cupy", False, "host")
+    assert s.source == "gridcomm"
+    # An explicit argument wins over every variable.
+    s = _config.Settings.resolve(2, 1, backend="nccl", host="h", port=1234, timeout_s=3, environ=env)
+    assert (s.world_size, s.rank, s.backend, s.client.host, s.client.port, s.timeout_s) == (2, 1, "nccl", "h", 1234, 3.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.client.timeout_s = 1.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("env", "words"), [
+    ({"GRIDCOMM_SHM": "maybe"}, "GRIDCOMM_SHM='maybe'"),
+    ({"GRIDCOMM_NCCL_ENGINE": "mpi"}, "GRIDCOMM_NCCL_ENGINE='mpi'"),
+    ({"GRIDCOMM_RANKS_PER_ROOT": "0"}, "GRIDCOMM_RANKS_PER_ROOT='0'"),
+    ({"GRIDCOMM_TIMEOUT_S": "-1"}, "GRIDCOMM_TIMEOUT_S='-1'"),
+    ({"GRIDCOMM_SESSION": "process"}, "GRIDCOMM_SESSION=process was removed"),
+])
+def test_a_bad_variable_is_a_config_error_naming_it(env, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        _config.Settings.resolve(2, 0, environ={**env})
+
+
+def test_settings_read_the_process_environment_at_call_time(monkeypatch):
+    monkeypatch.setenv("GRIDCOMM_TIMEOUT_S", "7")
+    assert _config.Settings.resolve(2, 0).timeout_s == 7.0
+    monkeypatch.setenv("GRIDCOMM_TIMEOUT_S", "8")
+    assert _config.Settings.resolve(2, 0).timeout_s == 8.0
+    assert _config.ClientSettings.resolve("h", 1, 0, 2).timeout_s == 8.0

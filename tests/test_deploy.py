@@ -25,8 +25,9 @@ import yaml
 from yamllint import linter
 from yamllint.config import YamlLintConfig
 
-from gridcomm import _cluster, _config
+from gridcomm import _config
 from gridcomm._cli.main import main as _cli
+from gridcomm._config import cluster as _cluster
 from tests.support import k8s_jobs
 from tests.support.procs import ROOT
 
@@ -327,7 +328,7 @@ def test_probes_use_container_ports_and_distinct_services(m: Manifests):
 
 
 def test_every_env_name_is_one_gridcomm_reads(m: Manifests):
-    read = set(_cluster.ENV_NAMES) | _string_constants(os.path.join(ROOT, "gridcomm", "_config.py"))
+    read = set(_cluster.ENV_NAMES) | _string_constants(os.path.join(ROOT, "gridcomm", "_config", "readers.py"))
     for where, pod_spec in m.pod_specs():
         names = {e["name"] for e in _worker(pod_spec)["env"]}
         assert names <= read, (where, sorted(names - read))
@@ -649,7 +650,7 @@ def test_recoverable_workers_share_a_checkpoint_volume_train_py_uses(m: Manifest
     assert "ReadWriteMany" in m.checkpoints["spec"]["accessModes"], "pods on different nodes share it"
     assert mount.get("readOnly") is not True
     # The names a worker is given are gridcomm's or train.py's own.
-    read = set(_cluster.ENV_NAMES) | _string_constants(os.path.join(ROOT, "gridcomm", "_config.py")) \
+    read = set(_cluster.ENV_NAMES) | _string_constants(os.path.join(ROOT, "gridcomm", "_config", "readers.py")) \
         | {n for n in _string_constants(os.path.join(DEPLOY, "docker", "train.py")) if n.startswith("TRAIN_")}
     names = {e["name"] for e in worker["env"]}
     assert names <= read, sorted(names - read)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -23,7 +22,7 @@ def _worker() -> int:
     from gridcomm._communicator.process_group import init_process_group
 
     t0 = time.perf_counter()
-    comm = init_process_group(backend=_config.backend())
+    comm = init_process_group()
     init_s = time.perf_counter() - t0
     if comm.backend == "nccl":
         import cupy as xp
@@ -70,7 +69,7 @@ def _worker() -> int:
                        lambda: bool((to_host(block_out)[:, 0] == ranks).all())),
         "barrier": (lambda: comm.barrier("demo"), lambda: True),
     }
-    iters = int(os.environ.get("DEMO_ITERS") or (500 if comm.backend == "nccl" else 20))
+    iters = _config.demo_iters(500 if comm.backend == "nccl" else 20)
     report: dict[str, Any] = {"rank": R, "backend": comm.backend, "init_s": init_s, "results": {}}
     for name, (call, check) in cases.items():
         if name == "broadcast":
@@ -98,7 +97,7 @@ def _worker() -> int:
 def run_demo(nproc: int = 4, backend: str | None = None, iters: int | None = None) -> int:
     """Starts ``nproc`` local ranks on the default backend, prints a checked, timed table."""
     environ = dict(_config.process_environ())
-    chosen = _config.backend(backend) if backend is not None else environ.get("GRIDCOMM_BACKEND", "auto")
+    chosen = _config.launch_backend(backend, environ)
     if chosen == "auto":
         from gridcomm._backends import nccl as _nccl
 

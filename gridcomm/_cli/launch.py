@@ -66,9 +66,8 @@ def launch(nproc: int, command: Sequence[str], backend: str | None = None,
     if not command:
         raise ConfigError("launch needs a script (or -m MODULE) to run.")
     env_in = _config.process_environ() if environ is None else environ
-    chosen = _config.backend(backend, env_in) if backend is not None else env_in.get("GRIDCOMM_BACKEND", "auto")
-    _config.backend(chosen)
-    port = int(env_in["GRIDCOMM_PORT"]) if env_in.get("GRIDCOMM_PORT") else free_port()
+    chosen = _config.launch_backend(backend, env_in)
+    port = _config.launch_port(env_in) or free_port()
     lock = threading.Lock()
     out = sys.stdout.buffer
     err = sys.stderr.buffer

@@ -27,6 +27,7 @@ from gridcomm._client import progress as _progress
 from gridcomm._client import session as _session
 from gridcomm._client.channel import make_aio_channel, make_channel
 from gridcomm._client.watcher import Watcher
+from gridcomm._config.settings import ClientSettings
 from gridcomm._errors import (
     CommAborted,
     ConfigError,
@@ -99,23 +100,33 @@ class CoordinatorClient:
         hostname: str | None = None,
         tls: _config.TlsFiles | None = None,
         session: str | None = None,
+        settings: ClientSettings | None = None,
+        coordinator_rank: int | None = None,
     ) -> None:
-        self.world_size = _config.world_size(world_size)
-        self.rank = _config.rank(rank, self.world_size)
-        self.host, self.port = _config.coordinator_address(host, port)
-        if self.port == 0:
+        if settings is None:
+            settings = ClientSettings.resolve(host, port, rank, world_size, token, timeout_s, job_id=job_id, tls=tls,
+                                              session=session)
+        elif any(v is not None for v in (host, port, rank, world_size, token, timeout_s, job_id, tls, session)):
+            raise ConfigError("CoordinatorClient takes either settings= or the separate arguments, not both.")
+        if settings.port == 0:
             raise ConfigError("port=0 cannot be dialled; pass the coordinator's bound port.")
-        self.timeout_s = _config.timeout_s(timeout_s)
-        self.job_id = _config.job_id(job_id)
+        self.settings = settings
+        self.world_size = settings.world_size
+        self.rank = settings.rank
+        self.host, self.port = settings.host, settings.port
+        #: The bound on a whole call (join, barrier, get ...), unless the call passes its own.
+        self.timeout_s = settings.timeout_s
+        self.job_id = settings.job_id
         self.hostname = hostname if hostname is not None else socket.gethostname()
         self.incarnation = secrets.randbits(64) or 1
         self.generation = 0
+        #: The coordinator's liveness bound, as its join answer says (until then the default).
         self.heartbeat_timeout_s = _config.DEFAULT_HEARTBEAT_TIMEOUT_S
-        self.target = _config.format_target(self.host, self.port)
-        secret = _config.token(token)
+        self.target = settings.target
+        secret = settings.token
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {secret}"),) if secret else ()
-        self.tls = tls if tls is not None else _config.tls()
-        self.session_mode = _config.session_mode(session)
+        self.tls = settings.tls
+        self.session_mode = settings.session
         #: The unary channel, opened on first use (a client whose calls all travel on the
         #: Session stream never opens a connection of its own).
         self._channel: grpc.Channel | None = None
@@ -130,7 +141,7 @@ class CoordinatorClient:
         self.members: tuple[int, ...] = tuple(range(self.world_size))
         #: The rank whose process hosts the coordinator (0 when embedded in rank 0), or None; a
         #: coordinator that goes silent is then that rank's failure.
-        self.coordinator_rank: int | None = None
+        self.coordinator_rank = coordinator_rank
         #: The first failure this generation's watcher reported (a peer's, or the coordinator lost).
         self.failure: GridcommError | None = None
         self._on_failure: Callable[[GridcommError], None] | None = None

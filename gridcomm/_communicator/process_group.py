@@ -6,10 +6,11 @@ import dataclasses
 import logging
 import time
 
-from gridcomm import _cluster, _config
+from gridcomm import _config
 from gridcomm._backends.host.plane import PlaneConfig, local_address
 from gridcomm._client.client import CoordinatorClient
 from gridcomm._communicator.communicator import Communicator, build_backend
+from gridcomm._config.settings import CoordinatorSettings, Settings
 from gridcomm._coordinator.server import Coordinator
 from gridcomm._errors import ConfigError, GridcommError
 from gridcomm._runtime import health as _health
@@ -18,9 +19,9 @@ from gridcomm._runtime.health import ProcessHealth
 log = logging.getLogger(__name__)
 
 
-def resolve_backend(name: str | None) -> str:
-    """'auto' picks nccl where CuPy sees a GPU and NCCL is available, else host."""
-    choice = _config.backend(name)
+def resolve_backend(choice: str) -> str:
+    """'auto' picks nccl where CuPy sees a GPU and NCCL is available, else host (``choice`` is a
+    validated setting: auto, nccl or host)."""
     if choice == "auto":
         from gridcomm._backends import nccl as _nccl
 
@@ -68,17 +69,9 @@ class Job:
     coordinator, the health port). :meth:`start` makes generation 1's communicator; a
     communicator's ``rebuild``/``shrink`` come back here for the next generation's."""
 
-    world_size: int
-    rank: int
+    settings: Settings
+    #: ``nccl`` or ``host`` (``auto`` decided).
     kind: str
-    dial_host: str
-    dial_port: int
-    token: str | None
-    tls: _config.TlsFiles | None
-    wait_s: float
-    #: The address the data plane publishes is found on the route to this host.
-    route_host: str
-    embedded: bool
     health: ProcessHealth | None = None
     coordinator: Coordinator | None = None
     client: CoordinatorClient | None = None
@@ -87,50 +80,50 @@ class Job:
     def configure(cls, n_devices: int | None, rank: int | None, *, backend: str | None, host: str | None,
                   port: int | None, timeout_s: float | None, token: str | None) -> Job:
         """Resolves arguments and environment (an explicit argument wins); starts nothing."""
-        info = None
-        if n_devices is None or rank is None or host is None:
-            # Why: what the caller did not pass comes from the environment's detector (gridcomm
-            # launch, torchrun, Kubeflow, JobSet, Indexed Job), which also derives rank 0's name.
-            try:
-                info = _cluster.detect()
-            except ConfigError:
-                if n_devices is None or rank is None:
-                    raise
-        world_size = _config.world_size(n_devices if n_devices is not None or info is None else info.world_size)
-        my_rank = _config.rank(rank if rank is not None or info is None else info.rank, world_size)
-        kind = resolve_backend(backend)
-        if info is not None and host is None:
-            host = info.host
-            port = info.port if port is None else port
-        dial_host, dial_port = _config.coordinator_address(host, port)
-        if info is not None:
-            log.info("rank %d of %d (from %s); coordinator %s:%d", my_rank, world_size, info.source, dial_host,
-                     dial_port)
-        return cls(world_size=world_size, rank=my_rank, kind=kind, dial_host=dial_host, dial_port=dial_port,
-                   token=_config.token(token), tls=_config.tls(), wait_s=_config.timeout_s(timeout_s),
-                   route_host=dial_host, embedded=_config.coordinator_mode() == "embedded")
+        settings = Settings.resolve(n_devices, rank, backend=backend, host=host, port=port, timeout_s=timeout_s,
+                                    token=token)
+        kind = resolve_backend(settings.backend)
+        if settings.source != "arguments":
+            log.info("rank %d of %d (from %s); coordinator %s:%d", settings.rank, settings.world_size,
+                     settings.source, settings.client.host, settings.client.port)
+        return cls(settings=settings, kind=kind)
+
+    @property
+    def rank(self) -> int:
+        return self.settings.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.settings.world_size
+
+    @property
+    def timeout_s(self) -> float:
+        """The bound on a whole call of this job's (init, barrier, rebuild), unless it passes its own."""
+        return self.settings.timeout_s
 
     def start(self) -> Communicator:
         """Joins (rank 0 first starts the embedded coordinator) and builds this rank's communicator."""
         started = time.monotonic()
+        settings = self.settings
+        dial = settings.client
         # Up before the rendezvous (or earlier: start_health_server), so kubelet's liveness probe
         # passes while ranks gather; readiness waits for the communicator. On rank 0 too: the health
         # port answers for this rank, not for the coordinator it hosts (issue 18).
         self.health = _health.process_health() or _health.running()
-        if self.rank == 0 and self.embedded:
-            bind = _config.bind_address()
-            self.coordinator = Coordinator(self.world_size, bind=bind, port=self.dial_port, token=self.token,
-                                           tls=self.tls, metrics_port=_config.metrics_port()).start()
+        if self.rank == 0 and settings.embedded:
+            server = CoordinatorSettings.resolve(
+                self.world_size, bind=settings.bind, port=dial.port, token=dial.token, job_id=dial.job_id,
+                heartbeat_timeout_s=settings.heartbeat_timeout_s, tls=dial.tls, metrics_port=settings.metrics_port)
+            self.coordinator = Coordinator(settings=server).start()
             # Why: rank 0 dials its own server directly, not through a DNS name that may lag (with
             # TLS it keeps the configured name, which the certificate is issued for, unless
             # GRIDCOMM_TLS_SERVER_NAME says what to verify).
-            if self.tls is None or self.tls.server_name:
-                self.dial_host = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind
-            self.dial_port = self.coordinator.port
+            host = dial.host
+            if dial.tls is None or dial.tls.server_name:
+                host = "127.0.0.1" if settings.bind in ("0.0.0.0", "::") else settings.bind
+            dial = dataclasses.replace(dial, host=host, port=self.coordinator.port)
         try:
-            self.client = CoordinatorClient(self.dial_host, self.dial_port, self.rank, self.world_size,
-                                            token=self.token, timeout_s=self.wait_s, tls=self.tls)
-            self.client.coordinator_rank = 0 if self.embedded else None
+            self.client = CoordinatorClient(settings=dial, coordinator_rank=0 if settings.embedded else None)
             self.client.join()
             comm = self._communicator()
         except BaseException as exc:
@@ -149,9 +142,13 @@ class Job:
         rank = members.index(self.rank)
         plane = None
         if self.kind == "host":
-            plane = PlaneConfig(token=self.token, tls=self.tls, host=local_address(self.route_host, _config.data_host()),
-                                timeout_s=self.wait_s, verdict_s=client.heartbeat_timeout_s + 1.0,
-                                shm=_config.shared_memory())
+            dial = self.settings.client
+            # The address the data plane publishes is found on the route to the coordinator as
+            # configured (not rank 0's loopback shortcut to its own server).
+            plane = PlaneConfig(token=dial.token, tls=dial.tls,
+                                host=local_address(dial.host, self.settings.plane.data_host),
+                                timeout_s=self.timeout_s, verdict_s=client.heartbeat_timeout_s + 1.0,
+                                shm=self.settings.plane.shm)
         everyone = len(members) == self.world_size
         impl = build_backend(self.kind, client, "world", rank, len(members), plane=plane,
                              participants=() if everyone else members, failed=lambda: client.failure,
@@ -161,7 +158,7 @@ class Job:
     @property
     def grace_s(self) -> float:
         """How long the embedded coordinator waits, at the end, for every rank to leave or fail."""
-        return min(60.0, self.wait_s)
+        return min(60.0, self.timeout_s)
 
     def recover(self, mode: str, timeout_s: float | None) -> Communicator:
         """The next generation's communicator, after a failure: joins it as a survivor (see
@@ -170,7 +167,7 @@ class Job:
         client = self.client
         assert client is not None
         started = time.monotonic()
-        budget = self.wait_s if timeout_s is None else _config.parse_duration("timeout_s", timeout_s)
+        budget = self.timeout_s if timeout_s is None else _config.parse_duration("timeout_s", timeout_s)
         client.recover(mode, budget)
         # Why what is left: the caller's bound covers the whole recovery, NCCL's creation included.
         comm = self._communicator(max(1.0, budget - (time.monotonic() - started)))
@@ -192,4 +189,4 @@ class Job:
         if self.coordinator is not None:
             # Why a grace: the other joiners should get their answer (who is missing) before the
             # server goes; stop() returns as soon as none of them has a call in flight.
-            self.coordinator.stop(grace_s=min(5.0, self.wait_s))
+            self.coordinator.stop(grace_s=min(5.0, self.timeout_s))

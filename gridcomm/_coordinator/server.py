@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from gridcomm import _config
+from gridcomm._config.settings import CoordinatorSettings
 from gridcomm._coordinator import metrics as _metrics
 from gridcomm._coordinator.servicer import UNDECODABLE, Abort, Servicer, refuse
 from gridcomm._coordinator.session import ServerSession
@@ -174,7 +175,7 @@ class Coordinator:
 
     def __init__(
         self,
-        world_size: int,
+        world_size: int | None = None,
         bind: str = "0.0.0.0",
         port: int = 0,
         token: str | None = None,
@@ -185,13 +186,21 @@ class Coordinator:
         tls: _config.TlsFiles | None = None,
         health_port: int | None = None,
         metrics_port: int | None = None,
+        settings: CoordinatorSettings | None = None,
     ) -> None:
-        self.world_size = _config.world_size(world_size)
-        self.bind = _config.validate_host("bind", bind)
-        _, self._requested_port = _config.coordinator_address("localhost", port)
-        self._token = _config.validate_token("token", token) if token is not None else None
-        self.job_id = _config.job_id(job_id)
-        self.heartbeat_timeout_s = _config.heartbeat_timeout_s(heartbeat_timeout_s)
+        if settings is None:
+            if world_size is None:
+                raise ConfigError("Coordinator needs world_size (or settings=).")
+            settings = CoordinatorSettings.resolve(world_size, bind, port, token, job_id=job_id,
+                                                   heartbeat_timeout_s=heartbeat_timeout_s, tls=tls,
+                                                   health_port=health_port, metrics_port=metrics_port)
+        self.settings = settings
+        self.world_size = settings.world_size
+        self.bind = settings.bind
+        self._requested_port = settings.port
+        self._token = settings.token
+        self.job_id = settings.job_id
+        self.heartbeat_timeout_s = settings.heartbeat_timeout_s
         #: At interpreter exit without stop(), how long to keep serving for ranks still joined.
         self.exit_grace_s = min(30.0, 2 * self.heartbeat_timeout_s)
         #: No single long-poll is held longer than this, whatever wait_s a request asks for.
@@ -214,15 +223,15 @@ class Coordinator:
         #: False once a rank failed (or the coordinator stops): health says NOT_SERVING.
         self._job_ok = False
         self._stopped = threading.Event()
-        self.tls = tls
+        self.tls = tls = settings.tls
         if tls is not None and (tls.cert is None or tls.key is None):
             raise ConfigError("a TLS coordinator needs GRIDCOMM_TLS_CERT and GRIDCOMM_TLS_KEY (its certificate and key).")
-        self._health_port_requested = health_port
+        self._health_port_requested = settings.health_port
         #: The plaintext grpc.health.v1 port (health only; kubelet's probes cannot speak TLS).
         self.health_port: int | None = None
         #: Counters for operators, served at /metrics when a port is given.
         self.metrics = _metrics.CoordinatorMetrics()
-        self._metrics_port_requested = metrics_port
+        self._metrics_port_requested = settings.metrics_port
         self._metrics_server: _metrics.MetricsServer | None = None
         #: The Prometheus /metrics port (after start(), when one was asked for).
         self.metrics_port: int | None = None

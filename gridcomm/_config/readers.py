@@ -1,8 +1,10 @@
-"""The only module that reads ``os.environ``; it does so at call time, never at import.
+"""One reader per setting, and the only module of gridcomm that touches ``os.environ``; it does
+so at call time (when :mod:`gridcomm._config.settings` resolves a settings object), never at import.
 
 Order of precedence for every setting: explicit argument, ``GRIDCOMM_*``, compatible conventions
 (cupyx, torchrun/Kubeflow, Kubernetes Indexed Job), then a default or a :class:`ConfigError` that
-says what to set.
+names the variable, its value and the fix. The variables are listed in
+:mod:`gridcomm._config.registry`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from gridcomm._errors import ConfigError
 #: cupyx.distributed's defaults, kept so a cupyx program switches by changing its import.
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 13333
-#: Bound on any single wait (join, barrier, get) unless the caller or GRIDCOMM_TIMEOUT_S says otherwise.
+#: Bound on a whole call (join, barrier, get, rebuild) unless the caller or GRIDCOMM_TIMEOUT_S says otherwise.
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_JOB_ID = "default"
 #: A rank not heard from for this long is declared failed (GRIDCOMM_HEARTBEAT_TIMEOUT_S).
@@ -163,7 +165,7 @@ def parse_target(target: str) -> tuple[str, int]:
 
 
 def timeout_s(explicit: float | None = None, environ: Mapping[str, str] | None = None) -> float:
-    """The bound on one wait: argument, GRIDCOMM_TIMEOUT_S, then 300 s."""
+    """The bound on a whole call: argument, GRIDCOMM_TIMEOUT_S, then 300 s."""
     if explicit is not None:
         return parse_duration("timeout_s", explicit)
     found = _first(_env(environ), ("GRIDCOMM_TIMEOUT_S",))
@@ -377,3 +379,55 @@ def tls(environ: Mapping[str, str] | None = None) -> TlsFiles | None:
     server_name = _first(env, ("GRIDCOMM_TLS_SERVER_NAME",))
     return TlsFiles(server_name=None if server_name is None else server_name[1], require_client_cert=require_flag,
                     **loaded)
+
+
+#: Values of GRIDCOMM_NCCL_ENGINE.
+NCCL_ENGINES = ("auto", "nccl4py", "cupy")
+#: Ranks per NCCL bootstrap root (GRIDCOMM_RANKS_PER_ROOT), as torch's TORCH_NCCL_RANKS_PER_ROOT.
+DEFAULT_RANKS_PER_ROOT = 128
+
+
+def nccl_engine(environ: Mapping[str, str] | None = None) -> str:
+    """GRIDCOMM_NCCL_ENGINE as given: ``auto`` (unset or empty), ``nccl4py`` or ``cupy``."""
+    env = _env(environ)
+    value = (env.get("GRIDCOMM_NCCL_ENGINE") or "auto").strip().lower()
+    if value not in NCCL_ENGINES:
+        raise ConfigError(f"GRIDCOMM_NCCL_ENGINE={env.get('GRIDCOMM_NCCL_ENGINE')!r} is not one of "
+                          f"{', '.join(NCCL_ENGINES)}; unset it (auto: nccl4py where installed, else CuPy's binding).")
+    return value
+
+
+def ranks_per_root(environ: Mapping[str, str] | None = None) -> int:
+    """GRIDCOMM_RANKS_PER_ROOT: ranks per NCCL bootstrap root (default 128, at least 1)."""
+    raw = (_env(environ).get("GRIDCOMM_RANKS_PER_ROOT") or "").strip()
+    if not raw:
+        return DEFAULT_RANKS_PER_ROOT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"GRIDCOMM_RANKS_PER_ROOT={raw!r} must be a whole number of ranks >= 1 (default "
+                          f"{DEFAULT_RANKS_PER_ROOT}); unset it to use the default.")
+    return value
+
+
+def demo_iters(default: int, environ: Mapping[str, str] | None = None) -> int:
+    """DEMO_ITERS, the iterations `gridcomm demo` times (set by the demo's parent for its ranks)."""
+    found = _first(_env(environ), ("DEMO_ITERS",))
+    return default if found is None else _parse_int(found[0], found[1], minimum=1)
+
+
+def launch_backend(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """The backend `gridcomm launch`/`demo` hand their ranks: argument, GRIDCOMM_BACKEND, then
+    ``auto`` (a launcher picks per machine; a rank started by hand defaults to ``nccl``)."""
+    if explicit is not None:
+        return backend(explicit)
+    found = _first(_env(environ), ("GRIDCOMM_BACKEND",))
+    return "auto" if found is None else backend(None, {"GRIDCOMM_BACKEND": found[1]})
+
+
+def launch_port(environ: Mapping[str, str] | None = None) -> int | None:
+    """The coordinator port a launcher gives its ranks: GRIDCOMM_PORT, else None (a free one)."""
+    found = _first(_env(environ), ("GRIDCOMM_PORT",))
+    return None if found is None else _parse_int(found[0], found[1], minimum=1, maximum=65535)

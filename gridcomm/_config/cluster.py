@@ -1,13 +1,13 @@
 """Cluster detection: who am I (rank), how many are we, and where is rank 0's coordinator.
 
 One detector class per environment, tried in the order of :data:`DETECTORS`; the first whose
-variables are present decides. Detectors never read ``os.environ`` or call the Kubernetes API: they
-take a ``Mapping[str, str]`` environment (callers pass :func:`gridcomm._config.process_environ`) and
+variables are present decides. Detectors never read the process environment or call the Kubernetes API: they
+take a ``Mapping[str, str]`` environment (by default :func:`gridcomm._config.readers.process_environ`) and
 the host's names, so each environment is testable with plain inputs.
 
 Within every detector the ``GRIDCOMM_*`` variables still win field by field (``GRIDCOMM_HOST`` over
 a name derived from the pod's hostname, ``GRIDCOMM_WORLD_SIZE`` over ``WORLD_SIZE``), because the
-:mod:`gridcomm._config` readers it uses put them first.
+:mod:`gridcomm._config.readers` it uses put them first.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from gridcomm import _config
+from gridcomm._config import readers as _config
 from gridcomm._errors import ConfigError
 
 #: Variables that name the coordinator's host; if any is set, no name is derived from the hostname.
@@ -27,7 +27,7 @@ JOBSET_NAME_VAR = "JOBSET_NAME"
 JOBSET_REPLICAS_VAR = "JOBSET_REPLICATED_JOB_REPLICAS"
 SUBDOMAIN_VAR = "GRIDCOMM_SUBDOMAIN"
 
-#: Every variable this module reads itself (the rest are read through gridcomm._config).
+#: Every variable this module reads itself (the rest are read through gridcomm._config.readers).
 ENV_NAMES = frozenset({
     "GRIDCOMM_RANK", "RANK", "WORLD_SIZE", "JOB_COMPLETION_INDEX", "TORCHELASTIC_USE_AGENT_STORE",
     "PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
@@ -314,7 +314,7 @@ def detect(
 ) -> ClusterInfo:
     """Detects rank, world size and coordinator address from the environment.
 
-    ``environ`` defaults to the process environment (read through :mod:`gridcomm._config`);
+    ``environ`` defaults to the process environment (read through :mod:`gridcomm._config.readers`);
     ``hostname`` to ``socket.gethostname()`` and ``fqdn`` to ``socket.getfqdn()``, looked up only
     when a Kubernetes detector needs the pod's subdomain.
 

@@ -1,0 +1,163 @@
+"""Settings resolved once: explicit arguments, then ``GRIDCOMM_*``, then the cupyx/torchrun/Kubernetes
+conventions, then defaults (see :mod:`gridcomm._config.readers` for each and
+:mod:`gridcomm._config.registry` for the list).
+
+``init_process_group`` resolves one :class:`Settings`, a :class:`Coordinator` one
+:class:`CoordinatorSettings`, a :class:`CoordinatorClient` one :class:`ClientSettings`; each is
+frozen and handed down, so the client, the coordinator, the host data plane and NCCL read what was
+resolved at construction and never the environment of a later moment. ``timeout_s`` everywhere is
+the bound on a whole call (a join, a barrier, a rebuild with the backend's creation included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+
+from gridcomm._config import cluster, readers
+from gridcomm._config.readers import TlsFiles
+from gridcomm._errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientSettings:
+    """What a coordinator client needs: where to dial, who it is, its secret and its bound."""
+
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    token: str | None
+    tls: TlsFiles | None
+    timeout_s: float
+    job_id: str
+    session: str
+
+    @classmethod
+    def resolve(cls, host: str | None = None, port: int | None = None, rank: int | None = None,
+                world_size: int | None = None, token: str | None = None, timeout_s: float | None = None, *,
+                job_id: str | None = None, tls: TlsFiles | None = None, session: str | None = None,
+                environ: Mapping[str, str] | None = None) -> ClientSettings:
+        size = readers.world_size(world_size, environ)
+        me = readers.rank(rank, size, environ)
+        dial_host, dial_port = readers.coordinator_address(host, port, environ)
+        return cls(host=dial_host, port=dial_port, rank=me, world_size=size, token=readers.token(token, environ),
+                   tls=tls if tls is not None else readers.tls(environ), timeout_s=readers.timeout_s(timeout_s, environ),
+                   job_id=readers.job_id(job_id, environ), session=readers.session_mode(session, environ))
+
+    @property
+    def target(self) -> str:
+        return readers.format_target(self.host, self.port)
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorSettings:
+    """What a coordinator server needs. Only the job id and the liveness bound come from the
+    environment when not passed: a server's address, secret and TLS are its constructor's (the
+    process that hosts it, ``init_process_group`` or ``gridcomm serve``, resolves them)."""
+
+    world_size: int
+    bind: str
+    port: int
+    token: str | None
+    tls: TlsFiles | None
+    job_id: str
+    heartbeat_timeout_s: float
+    health_port: int | None
+    metrics_port: int | None
+
+    @classmethod
+    def resolve(cls, world_size: int, bind: str = "0.0.0.0", port: int = 0, token: str | None = None, *,
+                job_id: str | None = None, heartbeat_timeout_s: float | None = None, tls: TlsFiles | None = None,
+                health_port: int | None = None, metrics_port: int | None = None,
+                environ: Mapping[str, str] | None = None) -> CoordinatorSettings:
+        _, requested = readers.coordinator_address("localhost", port, environ)
+        return cls(world_size=readers.world_size(world_size), bind=readers.validate_host("bind", bind), port=requested,
+                   token=readers.validate_token("token", token) if token is not None else None, tls=tls,
+                   job_id=readers.job_id(job_id, environ),
+                   heartbeat_timeout_s=readers.heartbeat_timeout_s(heartbeat_timeout_s, environ),
+                   health_port=health_port, metrics_port=metrics_port)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlaneSettings:
+    """The host backend's data plane: the address it publishes (None: found on the route to the
+    coordinator) and whether ranks of one host use shared memory."""
+
+    data_host: str | None
+    shm: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class NcclSettings:
+    """The NCCL backend's engine setting (``auto``, ``nccl4py``, ``cupy``) and ranks per bootstrap root."""
+
+    engine: str
+    ranks_per_root: int
+
+    @classmethod
+    def resolve(cls, environ: Mapping[str, str] | None = None) -> NcclSettings:
+        return cls(engine=readers.nccl_engine(environ), ranks_per_root=readers.ranks_per_root(environ))
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """One rank's settings for ``init_process_group``, resolved once (:meth:`resolve`)."""
+
+    client: ClientSettings
+    #: As asked for: ``auto``, ``nccl`` or ``host`` (``auto`` is decided where the GPU is probed).
+    backend: str
+    #: True: rank 0 hosts the coordinator (GRIDCOMM_COORDINATOR=embedded).
+    embedded: bool
+    #: The embedded coordinator's liveness bound (GRIDCOMM_HEARTBEAT_TIMEOUT_S).
+    heartbeat_timeout_s: float
+    bind: str
+    metrics_port: int | None
+    plane: PlaneSettings
+    nccl: NcclSettings
+    #: Which detector named the rank ("gridcomm", "torchrun", ...), or "arguments".
+    source: str
+
+    @property
+    def rank(self) -> int:
+        return self.client.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.client.world_size
+
+    @property
+    def timeout_s(self) -> float:
+        return self.client.timeout_s
+
+    @classmethod
+    def resolve(cls, n_devices: int | None = None, rank: int | None = None, *, backend: str | None = None,
+                host: str | None = None, port: int | None = None, timeout_s: float | None = None,
+                token: str | None = None, environ: Mapping[str, str] | None = None,
+                hostname: str | None = None, fqdn: str | None = None) -> Settings:
+        env = readers.process_environ() if environ is None else environ
+        info = None
+        if n_devices is None or rank is None or host is None:
+            # Why: what the caller did not pass comes from the environment's detector (gridcomm
+            # launch, torchrun, Kubeflow, JobSet, Indexed Job), which also derives rank 0's name.
+            try:
+                info = cluster.detect(env, hostname=hostname, fqdn=fqdn)
+            except ConfigError:
+                if n_devices is None or rank is None:
+                    raise
+        if info is not None:
+            n_devices = info.world_size if n_devices is None else n_devices
+            rank = info.rank if rank is None else rank
+            if host is None:
+                host = info.host
+                port = info.port if port is None else port
+        client = ClientSettings.resolve(host, port, rank, n_devices, token, timeout_s, environ=env)
+        return cls(client=client, backend=readers.backend(backend, env),
+                   embedded=readers.coordinator_mode(env) == "embedded",
+                   heartbeat_timeout_s=readers.heartbeat_timeout_s(None, env), bind=readers.bind_address(None, env),
+                   metrics_port=readers.metrics_port(None, env),
+                   plane=PlaneSettings(data_host=readers.data_host(env), shm=readers.shared_memory(env)),
+                   nccl=NcclSettings.resolve(env), source="arguments" if info is None else info.source)
