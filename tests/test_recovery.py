@@ -367,3 +367,71 @@ comm.stop()  # stops the communicator that replaced it (the job's part of this r
         assert out["sum"] == 3.0 and out["members"] == [0, 1] and out["child_members"] == [0, 1], everything
         assert out["generation"] == 1, everything
     assert server.wait_all_left(10.0)
+
+
+REBUILD_5_S = r"""
+import json, os, signal, time
+import numpy as np
+import gridcomm
+
+rank = int(os.environ["GRIDCOMM_RANK"]); world = int(os.environ["GRIDCOMM_WORLD_SIZE"])
+comm = gridcomm.init_process_group(world, rank, backend="host")
+x = np.ones(16); y = np.empty(16)
+comm.all_reduce(x, y, op="sum")
+if rank == 2:
+    print("DYING", json.dumps({"at": time.time()}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+try:
+    while True:
+        comm.all_reduce(x, y, op="sum")
+except gridcomm.RankFailedError:
+    pass
+started = time.monotonic()
+try:
+    comm.rebuild(timeout_s=5)
+    print("REBUILT", json.dumps({}), flush=True)
+except gridcomm.GridcommError as exc:
+    print("GAVE_UP", json.dumps({"kind": type(exc).__name__, "after_s": time.monotonic() - started,
+                                 "message": str(exc)[:300]}), flush=True)
+"""
+
+#: A replacement for rank 2 that joins the recovery but never builds its backend (hung in its
+#: own start-up, say): the survivors' rendezvous completes and their data-plane barrier waits.
+SILENT_REPLACEMENT = r"""
+import time
+import gridcomm
+
+client = gridcomm.CoordinatorClient(rank=2, world_size=4, timeout_s=60)
+client.join()
+print("JOINED", flush=True)
+time.sleep(40)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("replacement", ["none", "joins but never builds its backend"])
+def test_a_rebuild_ends_at_its_own_timeout_s_not_the_inits(coordinator_factory, replacement):
+    # The init's bound is the 300 s default; rebuild(timeout_s=5) bounds the whole recovery, the
+    # host backend's data-plane barrier included, so the survivors give up at about 5 s.
+    server = coordinator_factory(WORLD, heartbeat_timeout_s=HB)
+    env = {"GRIDCOMM_COORDINATOR": "external", "GRIDCOMM_HOST": "127.0.0.1", "GRIDCOMM_PORT": str(server.port),
+           "GRIDCOMM_HEARTBEAT_TIMEOUT_S": f"{HB:g}", "GRIDCOMM_TIMEOUT_S": ""}  # empty: the 300 s default
+    ranks = RankProcesses(REBUILD_5_S, WORLD, env=env)
+    late = None
+    try:
+        proc = ranks.procs[2]
+        wait_for(lambda: proc.poll() is not None, "rank 2 dies", 60)
+        if replacement != "none":
+            late = RankProcesses(SILENT_REPLACEMENT, WORLD, env=env, ranks=[2])
+        first = ranks.wait(90)
+    finally:
+        ranks.close()
+        if late is not None:
+            late.close()
+    everything = report(first)
+    assert first[2].returncode == -signal.SIGKILL, everything
+    for rank in (0, 1, 3):
+        (gave_up,) = lines(first[rank].stdout, "GAVE_UP")
+        assert gave_up["kind"] == "RendezvousTimeout", everything
+        # Measured, not tight: well under the 300 s default, and not before the 5 s asked for.
+        assert 4.0 <= gave_up["after_s"] < 5.0 + 15.0, everything
