@@ -83,13 +83,11 @@ def version_text() -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    bind = _config.bind_address(args.bind)
-    _, port = _config.coordinator_address("localhost", args.port)
-    server = Coordinator(_config.world_size(args.world_size), bind=bind, port=port, token=_config.token(),
-                         job_id=args.job_id, tls=_config.tls(), health_port=_config.health_port(),
-                         metrics_port=_config.metrics_port(args.metrics_port)).start()
+    settings = _config.CoordinatorSettings.serve(args.world_size, args.bind, args.port, args.job_id,
+                                                 args.metrics_port)
+    server = Coordinator(settings=settings).start()
     print(f"gridcomm coordinator for {server.world_size} ranks listening on "
-          f"{_config.format_target(bind, server.port)}"
+          f"{_config.format_target(settings.bind, server.port)}"
           + (f" (TLS; plaintext health on port {server.health_port})" if server.tls else "")
           + (f" (health on port {server.health_port})" if server.health_port and not server.tls else "")
           + (f" (metrics on port {server.metrics_port})" if server.metrics_port else ""), flush=True)

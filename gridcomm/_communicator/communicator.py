@@ -14,7 +14,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from gridcomm._backends.host.plane import PlaneConfig
+from gridcomm._backends.validate import Hooks
 from gridcomm._client.client import SHORT_CALL_S, CoordinatorClient
+from gridcomm._config.settings import NcclSettings
 from gridcomm._errors import (
     CommAborted,
     ConfigError,
@@ -35,25 +37,29 @@ COLLECTIVES = ("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gathe
                "scatter", "gather", "all_to_all")
 
 
-def build_backend(kind: str, client: CoordinatorClient, name: str, rank: int, size: int, *,
+def build_backend(kind: str, client: CoordinatorClient, name: str, rank: int, size: int, hooks: Hooks, *,
                   plane: PlaneConfig | None = None, participants: Sequence[int] = (),
-                  failed: Callable[[], BaseException | None] = lambda: None, timeout_s: float | None = None) -> Any:
+                  failed: Callable[[], BaseException | None] = lambda: None, timeout_s: float | None = None,
+                  nccl: NcclSettings | None = None) -> Any:
     """Creates this rank's backend for communicator ``name``; for NCCL, its rank 0 makes the unique
     ID (the NCCL bootstrap root lives in the creating process) and the others fetch it. The host
     backend publishes its data-plane address (``plane``) and waits, with the ``participants``
     (job ranks; empty: all), until every member has. ``failed()`` returns the failure this rank's
     watcher has seen (or None): a backend that waits for its peers gives up when it is set.
-    ``timeout_s`` bounds NCCL's creation (default: the client's timeout)."""
+    ``hooks`` are what the backend calls back (its communicator's). ``timeout_s`` bounds the
+    creation, for either backend (default: the client's timeout); ``nccl`` is the NCCL engine's
+    settings as the job resolved them."""
     if kind == "host":
         from gridcomm._backends.host.backend import HostBackend
 
         if plane is None:
             raise ConfigError("the host backend needs its data-plane settings (PlaneConfig); build it through "
                               "init_process_group.")
-        return HostBackend(client, name, rank, size, config=plane, participants=participants)
+        return HostBackend(client, name, rank, size, config=plane, participants=participants, hooks=hooks,
+                           timeout_s=timeout_s)
     from gridcomm._backends import nccl as _nccl
 
-    return _nccl.connect(client, name, rank, size, failed=failed, timeout_s=timeout_s)
+    return _nccl.connect(client, name, rank, size, hooks=hooks, failed=failed, timeout_s=timeout_s, settings=nccl)
 
 
 class EmbeddedServer(Protocol):
@@ -88,19 +94,12 @@ class Communicator:
             comm.all_reduce(x, x, op="sum")      # x == [3, 3, 3, 3] on both ranks
     """
 
-    def __init__(self, backend: Any, client: CoordinatorClient, *, name: str = "world",
+    def __init__(self, make_backend: Callable[[Hooks], Any], client: CoordinatorClient, *, name: str = "world",
                  members: Sequence[int] | None = None, parent: Communicator | None = None,
                  job: Job | None = None) -> None:
-        self._backend = backend
         self._client = client
         self._parent = parent
-        self.rank: int = backend.rank
-        self.world_size: int = backend.world_size
-        self.backend: str = backend.kind
         self.name = name
-        #: Global (job) rank of each member, indexed by this communicator's rank.
-        self.members: tuple[int, ...] = tuple(range(self.world_size)) if members is None else tuple(members)
-        self._participants: tuple[int, ...] = () if parent is None else tuple(sorted(self.members))
         self._children: list[Communicator] = []
         self._splits = 0
         self._closed: GridcommError | None = None
@@ -115,12 +114,19 @@ class Communicator:
         self.generation: int = client.generation - 1
         #: The communicator a rebuild() or shrink() of this one returned.
         self._successor: Communicator | None = None
+        # Why the backend is made here, with its hooks: it has them from its first call on, and
+        # nothing assigns them afterwards.
+        backend = make_backend(Hooks(on_invalid=self._invalid_call, on_broken=self._broken_data_plane,
+                                     coordinator_rank=self.coordinator_rank))
+        self._backend = backend
+        self.rank: int = backend.rank
+        self.world_size: int = backend.world_size
+        self.backend: str = backend.kind
+        #: Global (job) rank of each member, indexed by this communicator's rank.
+        self.members: tuple[int, ...] = tuple(range(self.world_size)) if members is None else tuple(members)
+        self._participants: tuple[int, ...] = () if parent is None else tuple(sorted(self.members))
         for method in COLLECTIVES:
             setattr(self, method, getattr(backend, method))
-        backend.on_invalid = self._invalid_call
-        if backend.kind == "host":
-            backend.on_broken = self._broken_data_plane
-        backend.coordinator_rank = self.coordinator_rank
         self._set_ready(True)
         if parent is None:
             # Hears of this generation's first failure (at once if it came before this was made).
@@ -253,18 +259,23 @@ class Communicator:
         ranks = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(table) if c == color_v)]
         new_rank = ranks.index(self.rank) if color_v >= 0 else -1
         name = f"{self.name}.s{self._splits}c{color_v}"
-        backend = None
-        if self.backend == "nccl":
-            backend = self._backend.split(color_v, key_v, new_rank, len(ranks))
+        members = [self.members[r] for r in ranks]
+        parent_backend = self._backend
+        client = self._client
+        if self.backend == "nccl" and color_v < 0:
+            parent_backend.split(color_v, key_v, new_rank, len(ranks), Hooks())  # ncclCommSplit: every rank calls it
         if color_v < 0:
             return None
-        members = [self.members[r] for r in ranks]
-        if backend is None:
-            client = self._client
-            backend = build_backend(self.backend, client, name, new_rank, len(ranks),
-                                    plane=getattr(self._backend, "config", None), participants=sorted(members),
-                                    failed=lambda: client.failure)
-        child = Communicator(backend, self._client, name=name, members=members, parent=self)
+
+        def make(hooks: Hooks) -> Any:
+            # ncclCommSplit where the engine has it; else (host, nccl4py) a new backend of the members.
+            child = parent_backend.split(color_v, key_v, new_rank, len(ranks), hooks) if self.backend == "nccl" else None
+            if child is not None:
+                return child
+            return build_backend(self.backend, client, name, new_rank, len(ranks), hooks,
+                                 plane=getattr(parent_backend, "config", None), participants=sorted(members),
+                                 failed=lambda: client.failure, nccl=getattr(parent_backend, "settings", None))
+        child = Communicator(make, self._client, name=name, members=members, parent=self)
         self._children.append(child)
         return child
 

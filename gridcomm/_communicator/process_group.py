@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Any
 
 from gridcomm import _config
 from gridcomm._backends.host.plane import PlaneConfig, local_address
+from gridcomm._backends.validate import Hooks
 from gridcomm._client.client import CoordinatorClient
 from gridcomm._communicator.communicator import Communicator, build_backend
 from gridcomm._config.settings import CoordinatorSettings, Settings
@@ -150,10 +152,13 @@ class Job:
                                 timeout_s=self.timeout_s, verdict_s=client.heartbeat_timeout_s + 1.0,
                                 shm=self.settings.plane.shm)
         everyone = len(members) == self.world_size
-        impl = build_backend(self.kind, client, "world", rank, len(members), plane=plane,
-                             participants=() if everyone else members, failed=lambda: client.failure,
-                             timeout_s=timeout_s)
-        return Communicator(impl, client, members=members, job=self)
+
+        def make(hooks: Hooks) -> Any:
+            return build_backend(self.kind, client, "world", rank, len(members), hooks, plane=plane,
+                                 participants=() if everyone else members, failed=lambda: client.failure,
+                                 timeout_s=timeout_s, nccl=self.settings.nccl)
+
+        return Communicator(make, client, members=members, job=self)
 
     @property
     def grace_s(self) -> float:

@@ -81,6 +81,18 @@ class CoordinatorSettings:
                    heartbeat_timeout_s=readers.heartbeat_timeout_s(heartbeat_timeout_s, environ),
                    health_port=health_port, metrics_port=metrics_port)
 
+    @classmethod
+    def serve(cls, world_size: int | None = None, bind: str | None = None, port: int | None = None,
+              job_id: str | None = None, metrics_port: int | None = None,
+              environ: Mapping[str, str] | None = None) -> CoordinatorSettings:
+        """A standalone coordinator's (``gridcomm serve``): each setting from its command-line
+        flag, else the environment (address, secret, TLS, health and metrics ports included)."""
+        _, requested = readers.coordinator_address("localhost", port, environ)
+        return cls.resolve(readers.world_size(world_size, environ), readers.bind_address(bind, environ), requested,
+                           readers.token(None, environ), job_id=job_id, tls=readers.tls(environ),
+                           health_port=readers.health_port(None, environ),
+                           metrics_port=readers.metrics_port(metrics_port, environ), environ=environ)
+
 
 @dataclasses.dataclass(frozen=True)
 class PlaneSettings:
