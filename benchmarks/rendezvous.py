@@ -753,8 +753,7 @@ def section(report: dict[str, Any], png: str | None) -> str:
         "client connected, CPU seconds from start to the last barrier, and that CPU per rank-operation "
         "(each rank's join, blob and barriers).",
         "",
-        f"gridcomm's figures are from commit **{listed(report['gridcomm'])}**; the speed attempts that led "
-        "there are recorded below the section.",
+        f"gridcomm's figures are from commit **{listed(report['gridcomm'])}**; earlier runs are in git history.",
         "",
         f"- command: {listed(report['command'], code=True)}",
         f"- machine: {listed(report['machine'])}; shared with other work while it ran, hence medians and min..max",
