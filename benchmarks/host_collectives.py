@@ -37,7 +37,7 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS = ("gridcomm", "gloo")
-#: Calls timed per size: enough for ~0.2 s of work at the sizes of the issue.
+#: Calls timed per size: enough for ~0.2 s of work at the sizes measured.
 DEFAULT_ITERS = {4: 400, 1 << 20: 40, 16 << 20: 8}
 
 

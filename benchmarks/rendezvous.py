@@ -106,7 +106,7 @@ class GridcommPeer(Peer):
     def connect(self, port: int, rank: int, world: int, timeout_s: float) -> Any:
         # Why session="client": a rank stands for a pod, so it must not share its process's
         # stream and connection with the other ranks of this harness process (a deployment
-        # has one rank per process; see "Deployment shapes" in DESIGN.md).
+        # has one rank per process; see "Deployment shapes" in docs/design.md).
         client = gridcomm.CoordinatorClient("127.0.0.1", port, rank, world, timeout_s=timeout_s, session="client")
         client.join()
         return client
@@ -742,7 +742,7 @@ def section(report: dict[str, Any], png: str | None) -> str:
         "service (jaxlib's distributed runtime) and cupyx's store, one harness, peers interleaved per "
         "repetition. Ranks are OS processes up to 128 (`--process-per-rank-max`), above that 32 processes "
         "of N/32 threads; every rank has its own client and its own connection, as a pod would (gridcomm: "
-        "`session=\"client\"`, a Session stream per rank; see \"Deployment shapes\" in DESIGN.md); each "
+        "`session=\"client\"`, a Session stream per rank; see \"Deployment shapes\" in docs/design.md); each "
         "server runs in a process of its own. *connect*: from a "
         "common start until every client is connected (gridcomm's join and JAX's connect wait for all ranks; "
         "torch's constructor opens a socket; cupyx has no connect step). *T1*: from every client ready until "
@@ -753,8 +753,7 @@ def section(report: dict[str, Any], png: str | None) -> str:
         "client connected, CPU seconds from start to the last barrier, and that CPU per rank-operation "
         "(each rank's join, blob and barriers).",
         "",
-        f"gridcomm's figures are from commit **{listed(report['gridcomm'])}**; the speed attempts that led "
-        "there are recorded below the section.",
+        f"gridcomm's figures are from commit **{listed(report['gridcomm'])}**; earlier runs are in git history.",
         "",
         f"- command: {listed(report['command'], code=True)}",
         f"- machine: {listed(report['machine'])}; shared with other work while it ran, hence medians and min..max",

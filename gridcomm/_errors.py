@@ -19,14 +19,24 @@ class ConfigError(GridcommError, ValueError):
 
 
 class RendezvousTimeout(GridcommError, TimeoutError):
-    """Raised when a join, barrier or key lookup did not complete within its deadline.
+    """Raised when a join, barrier or key lookup did not complete within its deadline."""
 
-    ``missing_ranks`` lists the ranks that were still awaited (empty when unknown).
-    """
+    #: The ranks that were still awaited, sorted (empty when unknown).
+    missing_ranks: list[int]
+    #: The coordinator's own words for the wait (its status details), without the caller's
+    #: prefix; empty when the error was not made from a coordinator's answer.
+    details: str
+    #: Whether the coordinator answered this wait (it ended a long-poll slice with the ranks it
+    #: still waits for), as opposed to no answer within the call's deadline: the client's
+    #: progress reports tell "still waiting for ranks" from "the coordinator does not answer".
+    from_server: bool
 
-    def __init__(self, message: str, missing_ranks: Sequence[int] = ()) -> None:
+    def __init__(self, message: str, missing_ranks: Sequence[int] = (), *, details: str = "",
+                 from_server: bool = False) -> None:
         super().__init__(message)
-        self.missing_ranks: list[int] = sorted(missing_ranks)
+        self.missing_ranks = sorted(missing_ranks)
+        self.details = details
+        self.from_server = from_server
 
 
 class RankFailedError(GridcommError):

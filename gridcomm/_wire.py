@@ -112,11 +112,9 @@ def translate(error: grpc.RpcError, what: str, target: str) -> GridcommError:
     cls = STATUS_ERRORS.get(code, GridcommError)
     if cls is RendezvousTimeout:
         missing_text = _metadata_value(error, MISSING_KEY)
-        timeout = RendezvousTimeout(f"{what}: {details}", parse_ranks(missing_text))
-        # Why: a wait the server ended (it answered) differs from no answer at all.
-        timeout.from_server = missing_text is not None or details != "Deadline Exceeded"  # type: ignore[attr-defined]
-        timeout.details = details  # type: ignore[attr-defined]
-        return timeout
+        # Why from_server: a wait the server ended (it answered) differs from no answer at all.
+        return RendezvousTimeout(f"{what}: {details}", parse_ranks(missing_text), details=details,
+                                 from_server=missing_text is not None or details != "Deadline Exceeded")
     if cls is CoordinatorUnavailable:
         return CoordinatorUnavailable(f"{what}: the coordinator at {target} is unavailable: {details}")
     return cls(f"{what}: {details}")

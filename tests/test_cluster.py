@@ -226,8 +226,8 @@ def test_docstring_example():
 
 def test_process_environment_is_read_through_config():
     assert _config.process_environ() is os.environ
-    code = ("from gridcomm import _cluster; "
-            "print(_cluster.detect(hostname='t-1', fqdn='t-1.svc.ns.svc.cluster.local'))")
+    code = ("from gridcomm._config import cluster; "
+            "print(cluster.detect(hostname='t-1', fqdn='t-1.svc.ns.svc.cluster.local'))")
     env = dict(os.environ, PYTHONPATH=ROOT, JOB_COMPLETION_INDEX="1", GRIDCOMM_WORLD_SIZE="2")
     for name in ("GRIDCOMM_RANK", "RANK", "PET_NODE_RANK", "GRIDCOMM_HOST", "MASTER_ADDR", "CUPYX_DISTRIBUTED_HOST"):
         env.pop(name, None)

@@ -25,7 +25,7 @@ make_topology = conftest_netns.make_topology
 netns_usable = conftest_netns.netns_usable
 
 HB = 3.0  # GRIDCOMM_HEARTBEAT_TIMEOUT_S in these tests
-SLACK_S = 2.0  # the allowance on top of the liveness bound
+SLACK_S = 2.0  # the allowance on top of the liveness bound (scheduling on a loaded CI machine)
 STARTUP_S = 60.0  # starting Python, NumPy and gRPC in several processes on two cores
 
 

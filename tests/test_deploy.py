@@ -26,7 +26,7 @@ from yamllint import linter
 from yamllint.config import YamlLintConfig
 
 from gridcomm import _config
-from gridcomm._cli.main import main as _cli
+from gridcomm._cli import main as _cli
 from gridcomm._config import cluster as _cluster
 from tests.support import k8s_jobs
 from tests.support.procs import ROOT
@@ -670,7 +670,7 @@ def test_recoverable_pods_run_what_the_image_holds(m: Manifests):
     dockerfile = open(os.path.join(DEPLOY, "docker", "Dockerfile"), encoding="utf-8").read()
     exposed = {int(p) for p in re.search(r"^EXPOSE (.+)$", dockerfile, re.M).group(1).split()}  # type: ignore[union-attr]
     pyproject = open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8").read()
-    assert re.search(r'^gridcomm = "gridcomm\._cli:main"$', pyproject, re.M), "the image's `gridcomm` command"
+    assert re.search(r'^gridcomm = "gridcomm\._cli\.main:main"$', pyproject, re.M), "the image's `gridcomm` command"
     for pod_spec in (m.recoverable_job["spec"]["template"]["spec"], m.coordinator["spec"]["template"]["spec"]):
         (container,) = pod_spec["containers"]
         assert {p["containerPort"] for p in container["ports"]} <= exposed

@@ -158,7 +158,7 @@ print("CLEAN", flush=True)
 
 @pytest.mark.timeout(90)
 def test_a_second_process_for_a_live_rank_is_refused_and_fails_nobody(coordinator_factory):
-    # Issue 17: a new process for a rank is admitted only as the replacement of a failed one (in
+    # A new process for a rank is admitted only as the replacement of a failed one (in
     # the next generation). While the old process heartbeats, a second one is refused, and the
     # old one's peers go on; when the old one then dies, they are told as for any death.
     server = coordinator_factory(2, heartbeat_timeout_s=HB)
@@ -241,7 +241,7 @@ time.sleep(5)   # keep serving health so the test can probe it
             break
         time.sleep(0.1)
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-    # Liveness is not the communicator's state: the survivor still answers (issue 18).
+    # Liveness is not the communicator's state: the survivor still answers (kubelet must not kill it).
     assert check("") == health_pb2.HealthCheckResponse.SERVING
     results = procs.wait(30)
     kind, failed, _, msg = outcomes(results, [1])[1]

@@ -2,7 +2,7 @@
 processes that call ``gridcomm.init_process_group(backend="host")`` and dial ``job-0.svc`` (rank 0
 hosts the coordinator in-process), and one fault per test.
 
-Each test asserts the outcome the design promises ("Failure semantics" in DESIGN.md) and its
+Each test asserts the outcome the design promises ("Failure semantics" in docs/design.md) and its
 bound: success with numerically checked results, or the named error on every surviving rank
 within the bound (heartbeat timeout + 2 s for liveness faults, call timeout + 2 s for waits), and
 no process that outlives its bound (zero hangs). Times are measured from the moment the test
@@ -42,7 +42,7 @@ PORT = 29411  # inside the namespaces only; every test has its own
 #: GRIDCOMM_HEARTBEAT_TIMEOUT_S and GRIDCOMM_TIMEOUT_S for every rank.
 HB_S = 3.0
 TIMEOUT_S = 20.0
-#: The issue's allowance on top of a timeout.
+#: The allowance on top of a timeout (scheduling and process start on a loaded machine).
 SLACK_S = 2.0
 #: A liveness fault (death, silence, lost network) must be a named error on every other rank
 #: within this many seconds of the fault.
@@ -742,7 +742,7 @@ def test_disagreeing_world_sizes_are_refused_at_once(job: Job, outcome_table: Ou
 def test_second_process_for_a_live_rank_is_refused(job: Job, outcome_table: OutcomeTable) -> None:
     # After the rendezvous, rank 2 holds (alive: its watcher heartbeats) while the others wait for
     # it in an all_reduce; a second process for rank 2 (a duplicate pod, a new incarnation) then
-    # joins. It is refused, saying why; nobody is failed (issue 17: a new process is admitted only
+    # joins. It is refused, saying why; nobody is failed (a new process is admitted only
     # as the replacement of a failed rank), and the job runs to its end.
     victim = 2
     survivors = [0, 1, 3]
@@ -770,7 +770,7 @@ def test_second_process_for_a_live_rank_is_refused(job: Job, outcome_table: Outc
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["rebuild", "shrink"])
 def test_kill9_then_recovery_in_place(job: Job, outcome_table: OutcomeTable, mode: str) -> None:
-    # Issue 17: kill -9 rank 2 inside an all_reduce loop; the survivors call rebuild() (a new
+    # Recovery in place: kill -9 rank 2 inside an all_reduce loop; the survivors call rebuild() (a new
     # process for rank 2 starts in its host 1 s after the death, as a restarted pod) or shrink(),
     # and every rank finishes the loop with checked sums in generation 1.
     victim = 2
@@ -797,5 +797,5 @@ def test_kill9_then_recovery_in_place(job: Job, outcome_table: OutcomeTable, mod
     recovery = max(results[r]["first_good_at"] for r in survivors) - fault_at
     record(outcome_table, job, f"kill -9 rank 2, survivors {mode}()",
            f"{'replacement joins generation 1' if mode == 'rebuild' else 'ranks 0, 1, 3 go on'}; all steps checked",
-           f"death to first good step {recovery:.2f} s", "10 s (issue 17)",
+           f"death to first good step {recovery:.2f} s", "10 s",
            {victim: "killed, replaced" if mode == "rebuild" else "killed"})

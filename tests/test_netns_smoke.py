@@ -32,7 +32,7 @@ pytestmark = pytest.mark.netns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 4
-#: The issue's bound: an error must arrive within the call's deadline plus this.
+#: The bound: an error must arrive within the call's deadline plus this.
 SLACK_S = 2.0
 #: Today the client gives a call that gets no answer a gRPC deadline of exactly its wait + 2 s
 #: (gridcomm._client.client._CALL_SLACK_S), so such an error lands on the bound itself, a few ms over as

@@ -1,4 +1,4 @@
-"""What an operator reads (issue 18): waits that speak, clean exits, hints that are true, and
+"""What an operator reads: waits that speak, clean exits, hints that are true, and
 `gridcomm status --watch`. Real processes, no logging configured unless a test says so."""
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ RECOVERY_SLACK_S = 30.0
 
 needs_recovery = pytest.mark.skipif(
     not hasattr(gridcomm.Communicator, "rebuild"),
-    reason="gridcomm.Communicator has no rebuild() here (issue 17 item 2, recovery in place, is not merged): "
+    reason="gridcomm.Communicator has no rebuild() here (recovery in place is missing from this checkout): "
            "train.py refuses TRAIN_RECOVERY=rebuild with exit code 2 without it")
 
 

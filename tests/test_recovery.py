@@ -1,4 +1,4 @@
-"""Recovery in place (issue 17): real OS processes per rank on loopback, host backend, a
+"""Recovery in place: real OS processes per rank on loopback, host backend, a
 standalone coordinator in the test process (``GRIDCOMM_COORDINATOR=external``, so any rank may
 fail), and ranks that die by SIGKILL mid-loop.
 

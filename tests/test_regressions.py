@@ -160,7 +160,7 @@ def test_huge_barrier_name_after_a_failure_gets_a_readable_refusal():
 
 @pytest.mark.timeout(60)
 def test_a_new_process_for_a_live_rank_fails_nobody_and_becomes_the_replacement_after_its_death():
-    # Was (before issue 17): a new process for a joined rank failed that rank at once (and health
+    # Was (before recovery in place): a new process for a joined rank failed that rank at once (and health
     # had to go NOT_SERVING with it). Now (world size 2, both joined, rank 1 waiting in a barrier):
     #   Join(rank 0, new incarnation, wait_s=0) -> DEADLINE_EXCEEDED, missing [0] (its predecessor
     #     has not been heard from since); nobody failed, the barrier still waits, health SERVING;

@@ -12,9 +12,7 @@ coordinators on loopback, with real clients (threads, one per rank) and hand-mad
    id, an operation with no oneof, each operation answering exactly as its unary RPC (code,
    details, gridcomm-* trailers), undecodable bytes, the per-stream bound on waiting operations,
    missing and wrong tokens.
-4. Fallback: a coordinator that does not serve Session (a real gRPC server that forwards only the
-   unary RPCs to a real coordinator, as an older coordinator would answer), and a stream cut
-   mid-wait by a TCP proxy between client and coordinator.
+4. Fallback: a stream cut mid-wait by a TCP proxy between client and coordinator.
 5. Idempotence: the same barrier arrival (same seq) sent twice on a stream is counted once.
 6. Identity and close: a changed generation is what every path sends; closing the clients ends
    an operation in flight at once.
@@ -22,7 +20,6 @@ coordinators on loopback, with real clients (threads, one per rank) and hand-mad
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import gc
@@ -53,7 +50,6 @@ from tests.support.calls import (
     call_unary,
     client_flow,
     coordinator,
-    start_coordinator,
 )
 from tests.support.procs import wait_for
 
@@ -591,94 +587,6 @@ def test_session_without_the_token_is_unauthenticated(metadata, words):
 # ------------------------------------------------------------------------------------ 4. fallback
 
 
-class _CountCalls(grpc.ServerInterceptor):
-    def __init__(self) -> None:
-        self.calls: collections.Counter[str] = collections.Counter()
-
-    def intercept_service(self, continuation: Any, details: Any) -> Any:
-        self.calls[details.method.rsplit("/", 1)[-1]] += 1
-        return continuation(details)
-
-
-@contextlib.contextmanager
-def coordinator_without_session(world: int) -> Iterator[tuple[gridcomm.Coordinator, int, _CountCalls]]:
-    """A real coordinator behind a gRPC server that serves only the unary RPCs (passed through as
-    bytes, with their status and gridcomm-* trailers): Session is UNIMPLEMENTED, as on an older
-    coordinator. Yields the coordinator, the front's port and its call counts."""
-    server = start_coordinator(world)
-    upstream = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    counter = _CountCalls()
-    front = grpc.server(ThreadPoolExecutor(4 * world + 8), interceptors=[counter])
-
-    def forward(method: str) -> grpc.RpcMethodHandler:
-        rpc = upstream.unary_unary(f"/{SERVICE}/{method}")
-
-        def handle(body: bytes, context: grpc.ServicerContext) -> bytes:
-            metadata = [(k, v) for k, v in context.invocation_metadata() if k == "authorization"]
-            try:
-                return rpc(body, timeout=context.time_remaining(), metadata=metadata)
-            except grpc.RpcError as exc:
-                context.set_trailing_metadata([(k, v) for k, v in exc.trailing_metadata() or ()
-                                               if k.startswith("gridcomm-")])
-                context.abort(exc.code(), exc.details())
-                raise  # unreachable: abort raises
-
-        return grpc.unary_unary_rpc_method_handler(handle)
-
-    front.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {m: forward(m) for m in UNARY}),))
-    port = front.add_insecure_port("127.0.0.1:0")
-    front.start()
-    try:
-        yield server, port, counter
-    finally:
-        front.stop(0)
-        upstream.close()
-        server.stop()
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", MODES)
-# via: get and barrier given their timeout per call, or taking the client's.
-@pytest.mark.parametrize("via", ["call", "client"])
-def test_a_coordinator_without_session_is_served_by_unary_calls(mode, via):
-    world = 3
-    with coordinator_without_session(world) as (server, port, counter), clients(port, world, mode) as ranks:
-        assert on_threads(lambda c: c.join(), ranks) == [1] * world
-        # The stream was tried (by every client that has a stream of its own), refused, and the
-        # joins were made as unary calls.
-        assert {"client": counter.calls["Session"] >= world, "off": counter.calls["Session"] == 0}[mode], counter.calls
-        ranks[0].set("k", b"v")
-        if via == "client":
-            for c in ranks:
-                c.timeout_s = 5.0
-        assert on_threads(lambda c: c.get("k", **per_call(via, 5.0)), ranks) == [b"v"] * world
-        for _ in range(5):
-            on_threads(lambda c: c.barrier("b", **per_call(via, 5.0)), ranks)
-        if via == "client":
-            for c in ranks:
-                c.timeout_s = 0.5
-        assert [o[:3] for o in on_threads(lambda c: outcome(lambda: c.barrier("late", **per_call(via, 0.5))), ranks[:2])] \
-            == [("RendezvousTimeout", [2], None)] * 2
-        on_threads(lambda c: c.leave(), ranks)
-        assert server.wait_all_left(5.0)
-        # Every operation was a unary call.
-        assert counter.calls["Join"] >= world and counter.calls["Leave"] == world and counter.calls["Set"] == 1
-        assert counter.calls["Barrier"] >= 5 * world + 2, counter.calls
-
-
-@pytest.mark.timeout(60)
-# A refusal racing a write once hid UNIMPLEMENTED, so every operation retried the stream (found here, fixed).
-def test_a_coordinator_without_session_is_tried_once_per_stream():
-    world = 16
-    for trial in range(8):  # the refusal races a write: several rounds, so the test does not pass by luck
-        with coordinator_without_session(world) as (server, port, counter), clients(port, world, "client") as ranks:
-            on_threads(lambda c: c.join(), ranks)
-            for _ in range(3):
-                on_threads(lambda c: c.barrier("b", timeout_s=5.0), ranks)
-            on_threads(lambda c: c.leave(), ranks)
-            assert counter.calls["Session"] == world, f"trial {trial}: {counter.calls['Session']} Session calls"
-
-
 class TcpProxy:
     """Forwards 127.0.0.1:port to the coordinator; ``cut()`` drops every connection made so far
     (what a restarted load balancer or a flapping link does to a long-lived stream)."""
@@ -744,7 +652,7 @@ def proxied_pair(factory: Callable[..., gridcomm.Coordinator], mode: str
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("via", ["call", "client"])  # as in test_a_coordinator_without_session_is_served_by_unary_calls
+@pytest.mark.parametrize("via", ["call", "client"])  # given their timeout per call, or taking the client's
 def test_a_stream_cut_mid_wait_is_repeated_as_a_unary_call(coordinator_factory, mode, via):
     with proxied_pair(coordinator_factory, mode) as (server, proxy, near, far), ThreadPoolExecutor(1) as pool:
         # near's stream carried its join and carries its heartbeats (mode "off": its unary channel
@@ -770,7 +678,7 @@ def test_a_stream_cut_mid_wait_is_repeated_as_a_unary_call(coordinator_factory, 
 @pytest.mark.timeout(60)
 # The unary repeat once got the whole slice again (found here, fixed).
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("via", ["call", "client"])  # as in test_a_coordinator_without_session_is_served_by_unary_calls
+@pytest.mark.parametrize("via", ["call", "client"])  # given their timeout per call, or taking the client's
 def test_a_stream_cut_late_in_a_wait_keeps_the_callers_deadline(coordinator_factory, mode, via):
     timeout_s, cut_at_s = 2.5, 2.0
     bound_s = timeout_s + 1.0 + 0.3  # the unary call's deadline (wait + the client's 1 s slack) + scheduling

@@ -115,7 +115,7 @@ def launch(nproc: int, command: Sequence[str], backend: str | None = None,
                 first_failure = (rank, code)
                 if interrupted:
                     # Why: the rank ended because of the signal this launcher passed on; that is
-                    # not a failure of the rank to report (issue 18: Ctrl-C read as "rank 2 failed").
+                    # not a failure of the rank to report (Ctrl-C must not read as "rank 2 failed").
                     _reap_later(procs, running)
                     continue
                 with lock:

@@ -126,7 +126,7 @@ def probe(target: str, service: str = "", timeout_s: float = 5.0) -> tuple[int, 
             code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
             took = time.monotonic() - started
             if code == grpc.StatusCode.UNAVAILABLE:
-                # Why not "within N s": a refused connection fails at once (issue 18).
+                # Why not "within N s": a refused connection fails at once, so a deadline would mislead.
                 return PROBE_UNREACHABLE, (f"{address}: cannot connect ({details}; after {took:.1f} s); is the process "
                                            f"running and serving health on port {port}?")
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -15,8 +15,9 @@ _SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
             {
-                # Unary calls only: a streaming transfer (Put, Take) that fails midway is not
-                # re-sent by the channel; the host backend sees the error and the failure path.
+                # Unary calls only: the channel does not re-send a Session stream that breaks;
+                # the client repeats the operations it carried as unary calls instead (each one
+                # is idempotent), so a retry here would only duplicate that.
                 "name": [{"service": SERVICE_NAME, "method": m} for m in
                          ("Join", "Set", "Get", "Barrier", "Heartbeat", "ReportFailure", "Leave", "Status")],
                 "retryPolicy": {

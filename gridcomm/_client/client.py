@@ -218,7 +218,7 @@ class CoordinatorClient:
         started = time.monotonic()
         deadline = started + total
         answered = False
-        speaker = _progress.Wait(what, self.target, total, started, progress)  # waits that speak (issue 18)
+        speaker = _progress.Wait(what, self.target, total, started, progress)  # a long wait says who it waits for
         while True:
             wait_s = max(0.0, min(deadline - time.monotonic(), PROGRESS_INTERVAL_S))
             try:

@@ -65,7 +65,7 @@ class Wait:
                     "running there, and does the name resolve? (still trying; gives up after %.0f s)",
                     self._what, self._target, elapsed, self._total)
             return
-        details = getattr(timeout, "details", "")
+        details = timeout.details
         refusal = ""
         if missing and _refused(details, missing[0]):
             start = details.find(f"rank {missing[0]} (from ")
@@ -77,7 +77,7 @@ class Wait:
 
 def timed_out(what: str, total_s: float, timeout: RendezvousTimeout) -> RendezvousTimeout:
     """The error of a wait that reached its deadline: what, how long, the server's words, a hint."""
-    details = without_repeat(what, str(getattr(timeout, "details", timeout)))
+    details = without_repeat(what, timeout.details or str(timeout))
     instance = re.match(r"#\d+: ", details)  # "barrier 'x' #3 did not complete ...: 1 of 2 ranks ..."
     if instance:
         what, details = f"{what} {instance.group(0)[:-2]}", details[instance.end():]

@@ -4,7 +4,8 @@ ones (set, leave), carried as messages on one long-lived gRPC stream instead of 
 Why: on the coordinator a unary call costs a few hundred microseconds of Python in gRPC's asyncio
 layer before a handler runs; a message on an open stream costs a fraction of that. Each client
 has a stream of its own: a rank is a process (one pod, or one of the few processes of a pod
-under ``gridcomm launch``), so there is nothing to share (see "Deployment shapes" in DESIGN.md).
+under ``gridcomm launch``), so there is nothing to share, and machinery that served only clients sharing a
+process would serve no deployment.
 ``GRIDCOMM_SESSION=off`` uses the unary RPCs only.
 
 The stream lives on the process-wide background loop (:mod:`gridcomm._runtime.loop`): no thread per
@@ -86,8 +87,6 @@ class Session:
         self._loop = _eventloop.loop()
         self._ids = itertools.count(1)
         self._waiters: dict[int, _Waiter] = {}
-        #: Set when the coordinator does not serve Session (an older one): unary calls only.
-        self.unsupported: str | None = None
         # Loop-thread state.
         #: The next message to write: what callers queued since the last write.
         self._outbox = pb.SessionRequest()
@@ -96,9 +95,6 @@ class Session:
         #: Operations written on the current stream and not answered yet.
         self._sent: set[int] = set()
         self._tasks: tuple[asyncio.Task[None], ...] = ()
-        #: Whether the current stream got any reply; streams refused in a row without one.
-        self._replied = False
-        self._refusals = 0
         #: Set by close(): nothing reopens the stream (what is still queued falls back to unary).
         self._closed = False
 
@@ -107,8 +103,6 @@ class Session:
         """Runs one operation; returns the unary RPC's response message. Raises :class:`OpError`
         (the operation's status, or DEADLINE_EXCEEDED when no answer came within ``timeout_s``)
         or :class:`StreamBroken`."""
-        if self.unsupported is not None:
-            raise StreamBroken(self.unsupported)
         if _eventloop.on_loop_thread():
             raise StreamBroken("called on the background loop's own thread, which cannot wait for itself")
         op_id = next(self._ids)
@@ -159,7 +153,6 @@ class Session:
         self._call = call
         self._has_work = has_work = asyncio.Event()
         self._sent = set()
-        self._replied = False
         # Why kept: the loop holds tasks weakly; an unreferenced pending task can be collected.
         self._tasks = (asyncio.ensure_future(self._write(call, has_work)), asyncio.ensure_future(self._read(call)))
 
@@ -179,24 +172,13 @@ class Session:
             self._broken(call, await self._status(call, _why(exc)))
 
     async def _status(self, call: Any, fallback: str) -> str:
-        """The call's final status, waited for briefly. Why: a write that fails because the
-        coordinator refused the stream (UNIMPLEMENTED on an older one) reports only a generic
-        error; the status tells an older coordinator from a broken connection."""
+        """The call's final status, waited for briefly. Why: a failed write reports only a generic
+        error; the status says what ended the stream (for the fall-back's log line)."""
         try:
             code = await asyncio.wait_for(call.code(), 1.0)
             details = await asyncio.wait_for(call.details(), 1.0)
         except Exception:  # noqa: BLE001 - no status in time: keep what the failure said
             return fallback
-        if code is grpc.StatusCode.UNIMPLEMENTED:
-            self.unsupported = f"the coordinator at {self._target} does not serve Session streams"
-        elif code is grpc.StatusCode.INTERNAL and not self._replied:
-            # Why: a write racing an UNIMPLEMENTED answer can turn it into INTERNAL on this side;
-            # a coordinator that refuses two streams in a row without a single reply is taken
-            # not to serve them (a stream that got replies resets the count).
-            self._refusals += 1
-            if self._refusals >= 2:
-                self.unsupported = (f"the coordinator at {self._target} ended two Session streams without a reply "
-                                    f"({code.name}: {details})")
         return f"{code.name}: {details}"
 
     async def _read(self, call: Any) -> None:
@@ -204,9 +186,6 @@ class Session:
         try:
             sent, waiters = self._sent, self._waiters
             async for reply in call:
-                if not self._replied:
-                    self._replied = True
-                    self._refusals = 0
                 for result in reply.results:
                     sent.discard(result.id)
                     waiter = waiters.pop(result.id, None)

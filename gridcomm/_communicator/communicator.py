@@ -148,7 +148,8 @@ class Communicator:
         log.error("rank %d: %s; aborting the communicator", root.rank, error)
         root._close(error)
         root._abort_backends(error)
-        # Readiness only: liveness stays SERVING while this process answers (issue 18).
+        # Readiness only: liveness stays SERVING while this process answers, so kubelet does not
+        # kill a survivor while it reports the failure or recovers.
         root._set_ready(False)
 
     def _set_ready(self, ready: bool) -> None:
@@ -226,14 +227,14 @@ class Communicator:
         raise AssertionError("bound at construction")
 
     # ------------------------------------------------------------------ control plane
-    def _check_open(self, what: str) -> None:
+    def _check_open(self) -> None:
         if self._closed is not None:
             raise copy.copy(self._closed)  # keeps .rank and .reason
 
     def barrier(self, name: str | None = None, timeout_s: float | None = None) -> None:
         """A control-plane barrier over this communicator's ranks; on timeout raises
         :class:`RendezvousTimeout` naming the missing ranks (job ranks, as `gridcomm status` shows)."""
-        self._check_open("barrier")
+        self._check_open()
         label = "barrier" if name is None else name
         if not isinstance(label, str) or not label:
             raise ConfigError(f"barrier name must be a non-empty str, not {name!r}.")
@@ -247,7 +248,7 @@ class Communicator:
     def split(self, color: int | None, key: int | None = None) -> Communicator | None:
         """A sub-communicator of the ranks that pass the same ``color``, ordered by ``key`` (then
         rank). Every rank must call it. A negative or None color joins no group and gets None."""
-        self._check_open("split")
+        self._check_open()
         for label, value in (("color", color), ("key", key)):
             if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__")):
                 raise ConfigError(f"split: {label}={value!r} must be an integer or None.")

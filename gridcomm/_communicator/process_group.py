@@ -31,7 +31,7 @@ def resolve_backend(choice: str) -> str:
     elif choice == "nccl":
         from gridcomm._backends import nccl as _nccl
 
-        _nccl.require_gpu()  # issue 18: say so (and suggest host/auto) before the rendezvous
+        _nccl.require_gpu()  # say so (and suggest host/auto) before the rendezvous, not from inside NCCL
     return choice
 
 
@@ -110,7 +110,7 @@ class Job:
         dial = settings.client
         # Up before the rendezvous (or earlier: start_health_server), so kubelet's liveness probe
         # passes while ranks gather; readiness waits for the communicator. On rank 0 too: the health
-        # port answers for this rank, not for the coordinator it hosts (issue 18).
+        # port answers for this rank, not for the coordinator it hosts (kubelet restarts a rank, not a coordinator).
         self.health = _health.process_health() or _health.running()
         if self.rank == 0 and settings.embedded:
             server = CoordinatorSettings.resolve(

@@ -279,7 +279,7 @@ class Coordinator:
 
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
-        drop_late_grpc_events(loop)  # no traceback for another loop's late events (issue 18)
+        drop_late_grpc_events(loop)  # no traceback for another loop's late events (nothing went wrong)
         self._loop = loop
         try:
             loop.run_until_complete(self._serve())

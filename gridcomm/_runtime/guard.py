@@ -192,12 +192,6 @@ class GuardedServer:
         if server is not None:
             await server.stop(grace_s)
 
-    def kill_for_test(self) -> asyncio.Future[Any]:
-        """Stops the current server as grpcio's failure does, leaving the watchdog to notice (the
-        test of the watchdog's path on a grpcio without the bug). Call on the server's loop."""
-        assert self._server is not None
-        return asyncio.ensure_future(self._server.stop(0))
-
 
 def _health_request(data: bytes) -> Any:
     try:

@@ -67,7 +67,7 @@ def drop_late_grpc_events(loop: asyncio.AbstractEventLoop) -> None:
     process after that loop was closed. Why: grpc.aio has one completion queue per process, and any
     loop bound to it delivers events for the others; a completion for a closed loop (a coordinator
     stopped in this process, whose server's last events come late) raised 'Event loop is closed'
-    inside the delivering loop, printed as a traceback at the end of a run that went well (issue 18).
+    inside the delivering loop, printed as a traceback at the end of a run that went well, which an operator reads as a fault.
     Nothing can act on such an event: its loop is gone."""
     loop.set_exception_handler(_late_grpc_event)
 

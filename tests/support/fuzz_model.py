@@ -237,13 +237,14 @@ class Job:
         #: (test_refused_barrier_arrival_leaves_no_trace); only generic checks apply to them.
         self.dead_names: set[str] = set()
         #: Replacements waiting for the next generation (rank -> incarnation): new processes for
-        #: failed ranks (issue 17). This driver's survivors never recover, so they wait, unless
+        #: failed ranks. This driver's survivors never recover, so they wait, unless
         #: every rank is replaced (then the job restarts in place as the next generation).
         self.replacing: dict[int, int] = {}
 
     @property
     def serving_known(self) -> bool:
-        """Whether the model can say what health must be (always, since issue 17)."""
+        """Whether the model can say what health must be (always: a new process for a live rank
+        fails nobody, so health follows from the failures the model knows)."""
         return True
 
     # ---------------------------------------------------------------- identity
@@ -298,7 +299,7 @@ class Job:
         rank = req.rank
         old = self.incarnations.get(rank)
         if self.complete and old is not None and old != req.incarnation:
-            # A new process for a rank of the running job (issue 17). For a failed rank (or one
+            # A new process for a rank of the running job. For a failed rank (or one
             # that left, once some rank failed) it is the replacement and waits for the survivors'
             # recovery; for a live rank it waits (bounded) to be told that rank is alive, which
             # this driver's silent ranks never show, so it hears the wait answer; for a rank that
