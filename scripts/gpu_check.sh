@@ -38,7 +38,7 @@ PY
 python3 - <<'PY' 2>&1 | tee -a "$OUT/gpu.txt"
 from gridcomm._backends import nccl as _nccl
 print("NCCL engine:", _nccl.engine(), "| setting:", _nccl.engine_setting(), "| nccl4py:",
-      "loads" if _nccl._load_nccl4py() else f"not usable ({_nccl._nccl4py_why})")
+      "loads" if _nccl.load_nccl4py() else f"not usable ({_nccl.nccl4py_why()})")
 try:
     import nccl.core
     print("nccl4py", nccl.core.__version__, "libnccl", nccl.core.get_version().libnccl)

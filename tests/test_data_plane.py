@@ -135,6 +135,8 @@ def test_rank_killed_inside_a_large_all_reduce_is_named_on_the_others(ranks: Cal
 WRONG_TOKEN = """
 import dataclasses, os, secrets, socket, numpy as np, gridcomm
 from gridcomm._backends.host import plane as _p2p
+from gridcomm._backends.host.frames import MAGIC, VERSION
+from gridcomm._backends.host.handshake import _ACCEPT_HEAD, _HELLO
 rank = int(os.environ["GRIDCOMM_RANK"])
 comm = gridcomm.init_process_group(backend="host")
 x = np.ones(4)
@@ -154,11 +156,11 @@ if rank == 0:
         rogue.close()
     # 2. Rank 1's side: a hello for its communicator, then a made-up proof: refused, closed.
     with socket.create_connection((card.host, card.port), timeout=10) as sock:
-        hello = _p2p._HELLO.pack(_p2p.MAGIC, _p2p.VERSION, 0, card.id, secrets.token_bytes(16), 0, 1, b"",
+        hello = _HELLO.pack(MAGIC, VERSION, 0, card.id, secrets.token_bytes(16), 0, 1, b"",
                                  secrets.token_bytes(32))
         sock.sendall(hello)
         answer = b""
-        while len(answer) < _p2p._ACCEPT_HEAD.size + 32:
+        while len(answer) < _ACCEPT_HEAD.size + 32:
             answer += sock.recv(4096)
         sock.sendall(secrets.token_bytes(32))
         verdict = sock.recv(1)

@@ -25,7 +25,7 @@ def test_an_unknown_engine_is_refused_with_the_choices():
 
 def test_cupy_is_chosen_when_asked_and_nccl4py_only_where_it_loads():
     assert _nccl.engine({"GRIDCOMM_NCCL_ENGINE": "cupy"}) == "cupy"
-    usable = _nccl._load_nccl4py() is not None
+    usable = _nccl.load_nccl4py() is not None
     assert _nccl.engine({}) == ("nccl4py" if usable else "cupy")
     if usable:
         assert _nccl.engine({"GRIDCOMM_NCCL_ENGINE": "nccl4py"}) == "nccl4py"

@@ -37,6 +37,7 @@ import numpy as np
 
 from gridcomm._backends import validate as _validate
 from gridcomm._backends.host import plane as _p2p
+from gridcomm._backends.host.frames import OPS
 from gridcomm._client.client import CoordinatorClient
 from gridcomm._errors import GridcommError, coordinator_lost
 
@@ -46,7 +47,7 @@ _REDUCE: dict[str, Callable[..., Any]] = {
 #: all_reduce, reduce and broadcast switch from their latency algorithm to their bandwidth one
 #: above this many bytes.
 SMALL_BYTES = 64 * 1024
-_OP = _p2p.OPS
+_OP = OPS
 
 
 def _flat(array: Any) -> np.ndarray:

@@ -1,0 +1,349 @@
+"""The NCCL backend: one NCCL communicator per rank, with cupyx's argument conventions.
+
+Two engines drive NCCL, chosen when a communicator is built (``GRIDCOMM_NCCL_ENGINE``):
+
+- ``nccl4py`` (NVIDIA's binding, ``pip install nccl4py``; the ``cuda12``/``cuda13`` extras pull it
+  in): the communicator is created non-blocking (``NCCLConfig(blocking=False)``) and polled to
+  completion against the caller's deadline; on the deadline it is aborted (``ncclCommAbort``) and
+  :class:`RendezvousTimeout` is raised, and as soon as ``failed()`` reports a peer's failure it is
+  aborted and that error is raised. A peer that dies inside NCCL init therefore ends in an error,
+  never a hang. Worlds larger than ``GRIDCOMM_RANKS_PER_ROOT`` ranks (128 by default) bootstrap
+  through several unique IDs (``ncclCommInitRankScalable``), one per NCCL root partition.
+  Collectives run on a blocking child made by a non-blocking ``ncclCommSplit`` of that
+  communicator (so every call is enqueued when it returns, as with CuPy, and no call can come back
+  ``ncclInProgress``); the non-blocking parent is destroyed once the child is up.
+- ``cupy`` (``cupy.cuda.nccl``): ``ncclCommInitRank`` blocks until every rank arrives; CuPy has no
+  non-blocking init, so a peer that dies inside it leaves the others blocked there until NCCL's
+  own bootstrap timeout, if any (the deadline and ``failed()`` are checked only before init).
+- ``auto`` (the default): nccl4py where it imports and loads libnccl, else cupy.
+
+No gRPC here: unique IDs travel as bytes through the coordinator client ``connect`` is given.
+The per-call path is kept short (one dict lookup for the dtype, one for the op, a few attribute
+reads) and calls NCCL through the engine's low-level function with raw pointers (nccl4py:
+``nccl.bindings.nccl.*``), and makes no host synchronisation, allocation or control-plane call,
+so collectives can be captured in a CUDA graph. Invalid calls fall to the shared checks in
+``_validate`` for the error message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gridcomm import _config
+from gridcomm._backends import validate as _validate
+from gridcomm._backends.nccl.engines import _TYPE_NAMES, _engine_for
+from gridcomm._backends.nccl.loader import _load_cupy, engine
+from gridcomm._errors import ArgumentError, GridcommError
+
+log = logging.getLogger(__name__)
+
+
+class NcclBackend:
+    """One rank's NCCL communicator. Built by :func:`connect` (the communicator calls it after the
+    rendezvous); ``unique_id`` is one ID (bytes) or the list of a multi-root init."""
+
+    kind = "nccl"
+    #: Called with an ArgumentError before it propagates (set by the communicator).
+    on_invalid: Callable[[Exception], None] | None = None
+
+    def __init__(self, world_size: int, rank: int, unique_id: bytes | Sequence[bytes], *,
+                 engine_name: str | None = None, deadline: float | None = None,
+                 failed: Callable[[], BaseException | None] = lambda: None, label: str = "world") -> None:
+        cupy = _load_cupy()
+        eng = _engine_for(engine_name or engine())
+        ids = [bytes(unique_id)] if isinstance(unique_id, (bytes, bytearray)) else [bytes(u) for u in unique_id]
+        self.rank = rank
+        self.world_size = world_size
+        self.engine = eng.name
+        self._engine = eng
+        self._cupy = cupy
+        self._current_stream = cupy.cuda.get_current_stream
+        # Precomputed tables: dtype -> (NCCL type, elements per array element), op -> NCCL op.
+        self._dtypes: dict[Any, tuple[int, int]] = {}
+        for name in _TYPE_NAMES:
+            self._dtypes[cupy.dtype(name)] = (eng.types[name], 1)
+        self._dtypes[cupy.dtype("complex64")] = (eng.types["float32"], 2)
+        self._dtypes[cupy.dtype("complex128")] = (eng.types["float64"], 2)
+        if "bfloat16" in eng.types:
+            try:  # CuPy 14 knows "bfloat16" through ml_dtypes
+                self._dtypes[cupy.dtype("bfloat16")] = (eng.types["bfloat16"], 1)
+            except TypeError:
+                pass
+        self._ops = dict(eng.ops)
+        # The per-call tables are keyed by id(dtype): hashing a NumPy dtype costs more than the rest
+        # of a fast path. The dtype objects are held by self._dtypes, so an id found here is that
+        # very dtype; any other object (an equal dtype included) misses and takes the checked path.
+        #   id(dtype) -> (NCCL type, elements per array element)
+        #   op -> id(dtype) -> (NCCL type, elements per array element, NCCL op), valid pairs only
+        #   (complex: sum only; avg: floating types only).
+        self._by_id: dict[int, tuple[int, int]] = {id(dt): entry for dt, entry in self._dtypes.items()}
+        self._reduce_by_id: dict[str, dict[int, tuple[int, int, int]]] = {op: {} for op in self._ops}
+        for dt, (nccl_type, mult) in self._dtypes.items():
+            for op, code in self._ops.items():
+                if (mult == 2 and op != "sum") or (op == "avg" and dt.kind != "f" and dt.name != "bfloat16"):
+                    continue
+                self._reduce_by_id[op][id(dt)] = (nccl_type, mult, code)
+        self._group_start, self._group_end = eng.group_start, eng.group_end
+        # NCCL's per-call functions, in the engine's one shape (see the engines above).
+        self._nccl_all_reduce, self._nccl_reduce, self._nccl_broadcast = eng.all_reduce, eng.reduce, eng.broadcast
+        self._nccl_reduce_scatter, self._nccl_all_gather = eng.reduce_scatter, eng.all_gather
+        self._nccl_send, self._nccl_recv = eng.send, eng.recv
+        if deadline is None:
+            deadline = time.monotonic() + _config.timeout_s()
+        #: What owns the communicator (abort/destroy), and the handle the per-call functions take.
+        self._owner: Any = eng.create(world_size, rank, ids, deadline, failed, label)
+        self._c: Any = eng.handle(self._owner)
+
+    # ------------------------------------------------------------------ helpers
+    def _stream(self, stream: Any) -> int:
+        # The fast paths below spell this out inline: they avoid even one extra method call.
+        return self._current_stream().ptr if stream is None else stream.ptr
+
+    def _typed(self, array: Any, method: str, name: str) -> tuple[int, int]:
+        """(NCCL type, count) for a contiguous supported array; raises the shared error otherwise."""
+        try:
+            nccl_type, mult = self._dtypes[array.dtype]
+        except (KeyError, AttributeError):
+            _validate.check_array(method, name, array)
+            raise ArgumentError(f"{method}: {name} dtype {array.dtype} is not supported by this NCCL") from None
+        flags = array.flags
+        if not (flags.c_contiguous or flags.f_contiguous):
+            _validate.check_contiguous(method, name, array)
+        return nccl_type, array.size * mult
+
+    # ------------------------------------------------------------------ collectives
+    # all_reduce, broadcast, all_gather, send, recv and send_recv have a fast path: an identity
+    # lookup of the dtype, C-contiguous CuPy arrays (``_c_contiguous``, a plain attribute, where
+    # ``flags`` builds an object), exact sizes and a plain int rank. It only ever accepts calls the
+    # shared checks accept, with the same NCCL arguments; anything else (invalid calls, F-order
+    # arrays, NumPy integers as ranks) goes through ``_*_args``, which run the shared checks, raise
+    # the precise ArgumentError through ``on_invalid``, or return the NCCL arguments.
+    def all_reduce(self, in_array: Any, out_array: Any, op: str = "sum", stream: Any = None) -> None:
+        try:
+            dtype = in_array.dtype
+            nccl_type, mult, code = self._reduce_by_id[op][id(dtype)]
+            count = in_array.size
+            fast = (in_array._c_contiguous and out_array._c_contiguous and out_array.size == count
+                    and out_array.dtype is dtype)
+            count *= mult
+        except (KeyError, AttributeError, TypeError):
+            fast = False
+        if not fast:
+            nccl_type, count, code = self._all_reduce_args(in_array, out_array, op)
+        self._nccl_all_reduce(in_array.data.ptr, out_array.data.ptr, count, nccl_type, code, self._c,
+                              self._current_stream().ptr if stream is None else stream.ptr)
+
+    @_validate.reports_invalid
+    def _all_reduce_args(self, in_array: Any, out_array: Any, op: str) -> tuple[int, int, int]:
+        _validate.all_reduce(in_array, out_array, op)
+        nccl_type, count = self._typed(in_array, "all_reduce", "in_array")
+        return nccl_type, count, self._ops[op]
+
+    @_validate.reports_invalid
+    def reduce(self, in_array: Any, out_array: Any, root: int = 0, op: str = "sum", stream: Any = None) -> None:
+        root = _validate.reduce(in_array, out_array, root, op, self.rank, self.world_size)
+        nccl_type, count = self._typed(in_array, "reduce", "in_array")
+        out_ptr = out_array.data.ptr if self.rank == root else in_array.data.ptr
+        self._nccl_reduce(in_array.data.ptr, out_ptr, count, nccl_type, self._ops[op], root, self._c,
+                          self._stream(stream))
+
+    def broadcast(self, in_out_array: Any, root: int = 0, stream: Any = None) -> None:
+        try:
+            nccl_type, mult = self._by_id[id(in_out_array.dtype)]
+            fast = in_out_array._c_contiguous and type(root) is int and 0 <= root < self.world_size
+            count = in_out_array.size * mult
+        except (KeyError, AttributeError):
+            fast = False
+        if not fast:
+            nccl_type, count, root = self._broadcast_args(in_out_array, root)
+        ptr = in_out_array.data.ptr
+        self._nccl_broadcast(ptr, ptr, count, nccl_type, root, self._c,
+                             self._current_stream().ptr if stream is None else stream.ptr)
+
+    @_validate.reports_invalid
+    def _broadcast_args(self, in_out_array: Any, root: int) -> tuple[int, int, int]:
+        root = _validate.broadcast(in_out_array, root, self.world_size)
+        nccl_type, count = self._typed(in_out_array, "broadcast", "in_out_array")
+        return nccl_type, count, root
+
+    @_validate.reports_invalid
+    def reduce_scatter(self, in_array: Any, out_array: Any, count: int, op: str = "sum", stream: Any = None) -> None:
+        count = _validate.reduce_scatter(in_array, out_array, count, op, self.world_size)
+        nccl_type, mult = self._dtypes[in_array.dtype]
+        self._nccl_reduce_scatter(in_array.data.ptr, out_array.data.ptr, count * mult, nccl_type, self._ops[op],
+                                  self._c, self._stream(stream))
+
+    def all_gather(self, in_array: Any, out_array: Any, count: int, stream: Any = None) -> None:
+        try:
+            dtype = in_array.dtype
+            nccl_type, mult = self._by_id[id(dtype)]
+            fast = (type(count) is int and in_array.size == count and in_array._c_contiguous
+                    and out_array._c_contiguous and out_array.size == count * self.world_size
+                    and out_array.dtype is dtype)
+        except (KeyError, AttributeError):
+            fast = False
+        if not fast:
+            nccl_type, mult, count = self._all_gather_args(in_array, out_array, count)
+        self._nccl_all_gather(in_array.data.ptr, out_array.data.ptr, count * mult, nccl_type, self._c,
+                              self._current_stream().ptr if stream is None else stream.ptr)
+
+    @_validate.reports_invalid
+    def _all_gather_args(self, in_array: Any, out_array: Any, count: int) -> tuple[int, int, int]:
+        count = _validate.all_gather(in_array, out_array, count, self.world_size)
+        nccl_type, mult = self._dtypes[in_array.dtype]
+        return nccl_type, mult, count
+
+    @_validate.reports_invalid
+    def _p2p_args(self, method: str, name: str, array: Any, peer: Any) -> tuple[int, int, int]:
+        nccl_type, count = self._typed(array, method, name)  # the shared checks, array first
+        return nccl_type, count, _validate.peer(method, peer, self.rank, self.world_size)
+
+    # send and recv spell their fast check out rather than share a helper: a helper's frame was
+    # 40 ns of the ~280 ns they add to NCCL's call (benchmarks/overhead_probe.py).
+    def send(self, array: Any, peer: int, stream: Any = None) -> None:
+        try:
+            nccl_type, mult = self._by_id[id(array.dtype)]
+            fast = array._c_contiguous and type(peer) is int and 0 <= peer < self.world_size and peer != self.rank
+            count = array.size * mult
+        except (KeyError, AttributeError):
+            fast = False
+        if not fast:
+            nccl_type, count, peer = self._p2p_args("send", "array", array, peer)
+        self._nccl_send(array.data.ptr, count, nccl_type, peer, self._c,
+                        self._current_stream().ptr if stream is None else stream.ptr)
+
+    def recv(self, out_array: Any, peer: int, stream: Any = None) -> None:
+        try:
+            nccl_type, mult = self._by_id[id(out_array.dtype)]
+            fast = (out_array._c_contiguous and type(peer) is int and 0 <= peer < self.world_size
+                    and peer != self.rank)
+            count = out_array.size * mult
+        except (KeyError, AttributeError):
+            fast = False
+        if not fast:
+            nccl_type, count, peer = self._p2p_args("recv", "out_array", out_array, peer)
+        self._nccl_recv(out_array.data.ptr, count, nccl_type, peer, self._c,
+                        self._current_stream().ptr if stream is None else stream.ptr)
+
+    def send_recv(self, in_array: Any, out_array: Any, peer: int, stream: Any = None) -> None:
+        try:
+            in_type, in_mult = self._by_id[id(in_array.dtype)]
+            out_type, out_mult = self._by_id[id(out_array.dtype)]
+            fast = (in_array._c_contiguous and out_array._c_contiguous and type(peer) is int
+                    and 0 <= peer < self.world_size)  # oneself allowed: both halves are in one group
+            in_count, out_count = in_array.size * in_mult, out_array.size * out_mult
+        except (KeyError, AttributeError):
+            fast = False
+        if not fast:
+            in_type, in_count, out_type, out_count, peer = self._send_recv_args(in_array, out_array, peer)
+        s = self._current_stream().ptr if stream is None else stream.ptr
+        c = self._c
+        self._group_start()
+        try:
+            self._nccl_send(in_array.data.ptr, in_count, in_type, peer, c, s)
+            self._nccl_recv(out_array.data.ptr, out_count, out_type, peer, c, s)
+        finally:
+            self._group_end()
+
+    @_validate.reports_invalid
+    def _send_recv_args(self, in_array: Any, out_array: Any, peer: int) -> tuple[int, int, int, int, int]:
+        peer = _validate.send_recv(in_array, out_array, peer, self.rank, self.world_size)
+        in_type, in_count = self._typed(in_array, "send_recv", "in_array")
+        out_type, out_count = self._typed(out_array, "send_recv", "out_array")
+        return in_type, in_count, out_type, out_count, peer
+
+    @_validate.reports_invalid
+    def scatter(self, in_array: Any, out_array: Any, root: int = 0, stream: Any = None) -> None:
+        root = _validate.scatter(in_array, out_array, root, self.rank, self.world_size)
+        s = self._stream(stream)
+        out_type, out_count = self._typed(out_array, "scatter", "out_array")
+        send, recv, c = self._nccl_send, self._nccl_recv, self._c
+        self._group_start()
+        try:
+            if self.rank == root:
+                for dst in range(self.world_size):
+                    send(in_array[dst].data.ptr, out_count, out_type, dst, c, s)
+            recv(out_array.data.ptr, out_count, out_type, root, c, s)
+        finally:
+            self._group_end()
+
+    @_validate.reports_invalid
+    def gather(self, in_array: Any, out_array: Any, root: int = 0, stream: Any = None) -> None:
+        root = _validate.gather(in_array, out_array, root, self.rank, self.world_size)
+        s = self._stream(stream)
+        in_type, in_count = self._typed(in_array, "gather", "in_array")
+        send, recv, c = self._nccl_send, self._nccl_recv, self._c
+        self._group_start()
+        try:
+            if self.rank == root:
+                for src in range(self.world_size):
+                    recv(out_array[src].data.ptr, in_count, in_type, src, c, s)
+            send(in_array.data.ptr, in_count, in_type, root, c, s)
+        finally:
+            self._group_end()
+
+    @_validate.reports_invalid
+    def all_to_all(self, in_array: Any, out_array: Any, stream: Any = None) -> None:
+        _validate.all_to_all(in_array, out_array, self.world_size)
+        s = self._stream(stream)
+        nccl_type, mult = self._dtypes[in_array.dtype]
+        count = in_array.size // self.world_size * mult
+        send, recv, c = self._nccl_send, self._nccl_recv, self._c
+        self._group_start()
+        try:
+            for peer in range(self.world_size):
+                send(in_array[peer].data.ptr, count, nccl_type, peer, c, s)
+                recv(out_array[peer].data.ptr, count, nccl_type, peer, c, s)
+        finally:
+            self._group_end()
+
+    # ------------------------------------------------------------------ support
+    def split(self, color: int, key: int, new_rank: int, new_size: int) -> NcclBackend | None:
+        """ncclCommSplit with the cupy engine where CuPy has commSplit (every rank calls; color < 0
+        joins no group). None otherwise, and always with nccl4py: the caller then builds the child
+        through :func:`connect`, whose init is non-blocking and bounded (a split of this blocking
+        communicator would block, unbounded, on a peer that died)."""
+        split = getattr(self._owner, "commSplit", None) if self.engine == "cupy" else None
+        if split is None:
+            return None
+        try:
+            comm = split(color, key)
+        except Exception as exc:  # noqa: BLE001 - NcclError
+            raise GridcommError(f"rank {self.rank}: ncclCommSplit(color={color}, key={key}) failed: {exc}") from exc
+        if color < 0:
+            return None
+        child = object.__new__(NcclBackend)
+        child.__dict__.update(self.__dict__)
+        child.rank, child.world_size, child._owner, child._c = new_rank, new_size, comm, comm
+        return child
+
+    def exchange_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` in rank order, through an NCCL all_gather (used by split)."""
+        cupy = self._cupy
+        mine = cupy.asarray(values, dtype=cupy.int64)
+        out = cupy.empty(len(values) * self.world_size, dtype=cupy.int64)
+        self.all_gather(mine, out, len(values))
+        return out.get().reshape(self.world_size, len(values)).tolist()
+
+    def synchronize(self) -> None:
+        self._current_stream().synchronize()
+
+    def abort(self, error: Exception | None = None) -> None:
+        """ncclCommAbort: releases a collective spinning on the GPU (callable from another thread).
+        The per-call handle is swapped for the engine's null one first, so a later call fails in
+        NCCL's own argument check instead of touching freed memory."""
+        owner, self._owner = self._owner, None
+        self._c = self._engine.null
+        if owner is not None:
+            owner.abort()  # CuPy's NcclCommunicator and nccl.core's Communicator alike
+
+    def destroy(self) -> None:
+        """ncclCommDestroy (every rank of the communicator calls it, as ``stop()`` does)."""
+        owner, self._owner = self._owner, None
+        self._c = self._engine.null
+        if owner is not None:
+            owner.destroy()
+
