@@ -21,17 +21,17 @@ from gridcomm._runtime.health import ProcessHealth
 log = logging.getLogger(__name__)
 
 
-def resolve_backend(choice: str) -> str:
+def resolve_backend(choice: str, nccl_engine: str | None = None) -> str:
     """'auto' picks nccl where CuPy sees a GPU and NCCL is available, else host (``choice`` is a
-    validated setting: auto, nccl or host)."""
+    validated setting: auto, nccl or host; ``nccl_engine`` the GRIDCOMM_NCCL_ENGINE setting)."""
     if choice == "auto":
         from gridcomm._backends import nccl as _nccl
 
-        choice = "nccl" if _nccl.available() else "host"
+        choice = "nccl" if _nccl.available(nccl_engine) else "host"
     elif choice == "nccl":
         from gridcomm._backends import nccl as _nccl
 
-        _nccl.require_gpu()  # say so (and suggest host/auto) before the rendezvous, not from inside NCCL
+        _nccl.require_gpu(nccl_engine)  # say so (and suggest host/auto) before the rendezvous, not from inside NCCL
     return choice
 
 
@@ -84,7 +84,7 @@ class Job:
         """Resolves arguments and environment (an explicit argument wins); starts nothing."""
         settings = Settings.resolve(n_devices, rank, backend=backend, host=host, port=port, timeout_s=timeout_s,
                                     token=token)
-        kind = resolve_backend(settings.backend)
+        kind = resolve_backend(settings.backend, settings.nccl.engine)
         if settings.source != "arguments":
             log.info("rank %d of %d (from %s); coordinator %s:%d", settings.rank, settings.world_size,
                      settings.source, settings.client.host, settings.client.port)

@@ -38,6 +38,7 @@ import numpy as np
 from gridcomm._backends import validate as _validate
 from gridcomm._backends.host import plane as _p2p
 from gridcomm._backends.host.frames import OPS
+from gridcomm._backends.validate import NO_HOOKS, Hooks
 from gridcomm._client.client import CoordinatorClient
 from gridcomm._errors import GridcommError, coordinator_lost
 
@@ -95,25 +96,28 @@ class HostBackend:
     """Collectives of one rank of communicator ``name`` over the peer-to-peer data plane."""
 
     kind = "host"
-    #: Called with an ArgumentError before it propagates (set by the communicator).
-    on_invalid: Callable[[Exception], None] | None = None
-    #: The rank whose process hosts the coordinator (embedded mode), so losing the coordinator
-    #: is reported as that rank's failure.
-    coordinator_rank: int | None = None
 
     def __init__(self, client: CoordinatorClient, name: str, rank: int, world_size: int, *,
-                 config: _p2p.PlaneConfig, participants: Sequence[int] = ()) -> None:
+                 config: _p2p.PlaneConfig, participants: Sequence[int] = (), hooks: Hooks = NO_HOOKS,
+                 timeout_s: float | None = None) -> None:
+        """``timeout_s`` bounds the creation (publishing this rank's card and the barrier that
+        waits for every member's; default: the client's), so a recovery's bound covers it."""
         self._client = client
         self.name = name
         self.rank = rank
         self.world_size = world_size
         self.config = config
-        self._plane = _p2p.Plane(config, name, rank, world_size, self._card_of)
+        #: Called with an ArgumentError before it propagates (the communicator's hook).
+        self.on_invalid = hooks.on_invalid
+        #: The rank whose process hosts the coordinator (embedded mode), so losing the coordinator
+        #: is reported as that rank's failure.
+        self.coordinator_rank = hooks.coordinator_rank
+        self._plane = _p2p.Plane(config, name, rank, world_size, self._card_of, on_broken=hooks.on_broken)
         try:
             client.set(self._key(rank), self._plane.card.encode())
             # Why a barrier: afterwards every card is in the store, so a later lookup never waits
             # on a rank that died before publishing (a barrier fails fast on a failed rank).
-            client.barrier(f"{name}/data-plane", participants=participants)
+            client.barrier(f"{name}/data-plane", timeout_s, participants=participants)
         except BaseException:
             self._plane.close()
             raise
@@ -129,13 +133,9 @@ class HostBackend:
 
     @property
     def on_broken(self) -> Callable[[BaseException], None] | None:
-        """Called when the data plane breaks on its own (bad bytes, a deadline); set by the
-        communicator, which then reports this rank failed."""
+        """Called when the data plane breaks on its own (bad bytes, a deadline); the
+        communicator's hook, which then reports this rank failed."""
         return self._plane.on_broken
-
-    @on_broken.setter
-    def on_broken(self, hook: Callable[[BaseException], None] | None) -> None:
-        self._plane.on_broken = hook
 
     def transports(self) -> dict[int, str]:
         """Each peer this rank has a link to, and how it moves payloads: shm or tcp, +tls where

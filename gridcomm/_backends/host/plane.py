@@ -142,7 +142,7 @@ class Plane:
     """The links of one communicator's rank and the progress engine that moves its messages."""
 
     def __init__(self, config: PlaneConfig, name: str, rank: int, world_size: int,
-                 lookup: Callable[[int], bytes]) -> None:
+                 lookup: Callable[[int], bytes], on_broken: Callable[[BaseException], None] | None = None) -> None:
         self.config = config
         self.name = name
         self.rank = rank
@@ -167,7 +167,7 @@ class Plane:
         self._deadline = 0.0
         #: Called with the error when this plane breaks on its own (bad bytes, a deadline): the
         #: communicator then reports this rank failed, so its peers are told instead of waiting.
-        self.on_broken: Callable[[BaseException], None] | None = None
+        self.on_broken = on_broken
         try:
             self._endpoint = _acquire_endpoint(config.host, config.tls, self)
         except BaseException:

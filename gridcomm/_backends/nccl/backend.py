@@ -36,6 +36,8 @@ from gridcomm import _config
 from gridcomm._backends import validate as _validate
 from gridcomm._backends.nccl.engines import _TYPE_NAMES, _engine_for
 from gridcomm._backends.nccl.loader import _load_cupy, engine
+from gridcomm._backends.validate import NO_HOOKS, Hooks
+from gridcomm._config.settings import NcclSettings
 from gridcomm._errors import ArgumentError, GridcommError
 
 log = logging.getLogger(__name__)
@@ -46,14 +48,17 @@ class NcclBackend:
     rendezvous); ``unique_id`` is one ID (bytes) or the list of a multi-root init."""
 
     kind = "nccl"
-    #: Called with an ArgumentError before it propagates (set by the communicator).
-    on_invalid: Callable[[Exception], None] | None = None
 
     def __init__(self, world_size: int, rank: int, unique_id: bytes | Sequence[bytes], *,
                  engine_name: str | None = None, deadline: float | None = None,
-                 failed: Callable[[], BaseException | None] = lambda: None, label: str = "world") -> None:
+                 failed: Callable[[], BaseException | None] = lambda: None, label: str = "world",
+                 hooks: Hooks = NO_HOOKS, settings: NcclSettings | None = None) -> None:
+        #: Called with an ArgumentError before it propagates (the communicator's hook).
+        self.on_invalid: Callable[[Exception], None] | None = hooks.on_invalid
+        #: The engine settings it was made with (a split child made through connect reuses them).
+        self.settings = settings
         cupy = _load_cupy()
-        eng = _engine_for(engine_name or engine())
+        eng = _engine_for(engine_name or engine(setting=None if settings is None else settings.engine))
         ids = [bytes(unique_id)] if isinstance(unique_id, (bytes, bytearray)) else [bytes(u) for u in unique_id]
         self.rank = rank
         self.world_size = world_size
@@ -92,7 +97,7 @@ class NcclBackend:
         self._nccl_reduce_scatter, self._nccl_all_gather = eng.reduce_scatter, eng.all_gather
         self._nccl_send, self._nccl_recv = eng.send, eng.recv
         if deadline is None:
-            deadline = time.monotonic() + _config.timeout_s()
+            deadline = time.monotonic() + _config.DEFAULT_TIMEOUT_S
         #: What owns the communicator (abort/destroy), and the handle the per-call functions take.
         self._owner: Any = eng.create(world_size, rank, ids, deadline, failed, label)
         self._c: Any = eng.handle(self._owner)
@@ -301,7 +306,7 @@ class NcclBackend:
             self._group_end()
 
     # ------------------------------------------------------------------ support
-    def split(self, color: int, key: int, new_rank: int, new_size: int) -> NcclBackend | None:
+    def split(self, color: int, key: int, new_rank: int, new_size: int, hooks: Hooks = NO_HOOKS) -> NcclBackend | None:
         """ncclCommSplit with the cupy engine where CuPy has commSplit (every rank calls; color < 0
         joins no group). None otherwise, and always with nccl4py: the caller then builds the child
         through :func:`connect`, whose init is non-blocking and bounded (a split of this blocking
@@ -318,6 +323,7 @@ class NcclBackend:
         child = object.__new__(NcclBackend)
         child.__dict__.update(self.__dict__)
         child.rank, child.world_size, child._owner, child._c = new_rank, new_size, comm, comm
+        child.on_invalid = hooks.on_invalid
         return child
 
     def exchange_ints(self, values: list[int]) -> list[list[int]]:

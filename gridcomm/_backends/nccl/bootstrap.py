@@ -9,7 +9,9 @@ from typing import Any
 
 from gridcomm._backends.nccl.backend import NcclBackend
 from gridcomm._backends.nccl.engines import new_unique_id
-from gridcomm._backends.nccl.loader import engine, ranks_per_root
+from gridcomm._backends.nccl.loader import engine
+from gridcomm._backends.validate import NO_HOOKS, Hooks
+from gridcomm._config.settings import NcclSettings
 from gridcomm._errors import ConfigError
 
 
@@ -50,19 +52,23 @@ def exchange_ids(client: Any, name: str, rank: int, roots: Sequence[int],
     return ids
 
 
-def connect(client: Any, name: str, rank: int, size: int, *,
+def connect(client: Any, name: str, rank: int, size: int, *, hooks: Hooks = NO_HOOKS,
             failed: Callable[[], BaseException | None] = lambda: None,
-            timeout_s: float | None = None) -> NcclBackend:
+            timeout_s: float | None = None, settings: NcclSettings | None = None) -> NcclBackend:
     """This rank's NCCL communicator ``name`` of ``size`` ranks. The unique IDs travel through
     ``client`` (a CoordinatorClient: ``set``/``get``): one, made by rank 0, for worlds of up to
     GRIDCOMM_RANKS_PER_ROOT ranks; else one per root (see :func:`root_ranks`; nccl4py only). The
     whole exchange and NCCL init are bounded by ``timeout_s`` (default ``client.timeout_s``);
     ``failed()`` returns a peer's failure seen by this rank's watcher, or None: with nccl4py, init
-    is aborted as soon as it is set and that error is raised."""
+    is aborted as soon as it is set and that error is raised. ``settings`` are the engine setting
+    and ranks per root the job resolved (default: read now); ``hooks`` the communicator's."""
+    if settings is None:
+        settings = NcclSettings.resolve()
     timeout = float(client.timeout_s if timeout_s is None else timeout_s)
     deadline = time.monotonic() + timeout
-    chosen = engine()
-    roots = root_ranks(size, ranks_per_root()) if chosen == "nccl4py" else [0]
+    chosen = engine(setting=settings.engine)
+    roots = root_ranks(size, settings.ranks_per_root) if chosen == "nccl4py" else [0]
     ids = exchange_ids(client, name, rank, roots, lambda: new_unique_id(chosen), timeout)
-    return NcclBackend(size, rank, ids, engine_name=chosen, deadline=deadline, failed=failed, label=name)
+    return NcclBackend(size, rank, ids, engine_name=chosen, deadline=deadline, failed=failed, label=name, hooks=hooks,
+                       settings=settings)
 

@@ -10,11 +10,11 @@ from gridcomm import _config
 from gridcomm._errors import ConfigError
 
 #: Values of GRIDCOMM_NCCL_ENGINE.
-ENGINES = ("auto", "nccl4py", "cupy")
+ENGINES = _config.NCCL_ENGINES
 
 
 #: Ranks per NCCL bootstrap root (GRIDCOMM_RANKS_PER_ROOT), as torch's TORCH_NCCL_RANKS_PER_ROOT.
-DEFAULT_RANKS_PER_ROOT = 128
+DEFAULT_RANKS_PER_ROOT = _config.DEFAULT_RANKS_PER_ROOT
 
 
 #: The oldest libnccl the nccl4py engine uses (NCCL_VERSION_CODE of 2.23.0).
@@ -87,34 +87,20 @@ def _load_nccl4py() -> tuple[Any, Any] | None:
 
 def engine_setting(environ: Mapping[str, str] | None = None) -> str:
     """GRIDCOMM_NCCL_ENGINE as given: ``auto`` (unset or empty), ``nccl4py`` or ``cupy``."""
-    env = _config.process_environ() if environ is None else environ
-    value = (env.get("GRIDCOMM_NCCL_ENGINE") or "auto").strip().lower()
-    if value not in ENGINES:
-        raise ConfigError(f"GRIDCOMM_NCCL_ENGINE={env.get('GRIDCOMM_NCCL_ENGINE')!r} is not one of "
-                          f"{', '.join(ENGINES)}; unset it (auto: nccl4py where installed, else CuPy's binding).")
-    return value
+    return _config.nccl_engine(environ)
 
 
 def ranks_per_root(environ: Mapping[str, str] | None = None) -> int:
     """GRIDCOMM_RANKS_PER_ROOT: ranks per NCCL bootstrap root (default 128, at least 1)."""
-    env = _config.process_environ() if environ is None else environ
-    raw = (env.get("GRIDCOMM_RANKS_PER_ROOT") or "").strip()
-    if not raw:
-        return DEFAULT_RANKS_PER_ROOT
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ConfigError(f"GRIDCOMM_RANKS_PER_ROOT={raw!r} must be a whole number of ranks >= 1 (default "
-                          f"{DEFAULT_RANKS_PER_ROOT}); unset it to use the default.")
-    return value
+    return _config.ranks_per_root(environ)
 
 
-def engine(environ: Mapping[str, str] | None = None) -> str:
-    """The engine a communicator built now uses: ``nccl4py`` or ``cupy`` (GRIDCOMM_NCCL_ENGINE;
-    ``auto`` picks nccl4py where it imports and loads libnccl)."""
-    setting = engine_setting(environ)
+def engine(environ: Mapping[str, str] | None = None, *, setting: str | None = None) -> str:
+    """The engine a communicator built now uses: ``nccl4py`` or ``cupy`` (``setting``, as the
+    job's settings resolved GRIDCOMM_NCCL_ENGINE, else read now; ``auto`` picks nccl4py where it
+    imports and loads libnccl)."""
+    if setting is None:
+        setting = engine_setting(environ)
     if setting == "cupy":
         return "cupy"
     if _load_nccl4py() is not None:
@@ -125,22 +111,23 @@ def engine(environ: Mapping[str, str] | None = None) -> str:
     return "cupy"
 
 
-def available() -> bool:
-    """True when CuPy imports, sees at least one GPU, and an NCCL engine works (what backend='auto' asks)."""
+def available(setting: str | None = None) -> bool:
+    """True when CuPy imports, sees at least one GPU, and an NCCL engine works (what backend='auto'
+    asks); ``setting`` is GRIDCOMM_NCCL_ENGINE as the job resolved it."""
     try:
         cupy = _load_cupy()
-        if engine() == "cupy":
+        if engine(setting=setting) == "cupy":
             _load()
         return bool(cupy.cuda.runtime.getDeviceCount() > 0)
     except Exception:  # noqa: BLE001 - any failure means "not available"
         return False
 
 
-def require_gpu() -> None:
+def require_gpu(setting: str | None = None) -> None:
     """Raises ConfigError, before any rendezvous, when backend='nccl' cannot work here: no CuPy,
-    no NCCL engine (see engine), or no GPU that CuPy sees."""
+    no NCCL engine (see engine; ``setting`` as for :func:`available`), or no GPU that CuPy sees."""
     cupy = _load_cupy()
-    if engine() == "cupy":
+    if engine(setting=setting) == "cupy":
         _load()
     try:
         count = int(cupy.cuda.runtime.getDeviceCount())
