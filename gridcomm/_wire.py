@@ -13,6 +13,7 @@ from gridcomm._errors import (
     AuthenticationError,
     CommAborted,
     ConfigError,
+    CoordinatorRestarted,
     CoordinatorUnavailable,
     GridcommError,
     RankFailedError,
@@ -23,6 +24,9 @@ SERVICE_NAME = "gridcomm.v1.Coordinator"
 #: Trailers: the ranks a timed-out wait still waits for, and the rank whose failure ended a call.
 MISSING_KEY = "gridcomm-missing-ranks"
 FAILED_KEY = "gridcomm-failed-rank"
+#: Trailer on a FAILED_PRECONDITION refusal from a coordinator that has no record of a rank that
+#: says it joined: the coordinator restarted and lost the job (CoordinatorRestarted, not ConfigError).
+RESTARTED_KEY = "gridcomm-coordinator-restarted"
 
 #: A key's value larger than this travels in pieces of this size.
 CHUNK_BYTES = 1024 * 1024
@@ -60,6 +64,11 @@ def ranks_text(ranks: Iterable[int], limit: int = 2048) -> str:
 
 
 # One table from gRPC status to the library's errors (metadata refines it: see translate).
+#: (status, trailer) -> the error a status carrying that trailer means instead of its plain one.
+TRAILER_ERRORS: dict[tuple[grpc.StatusCode, str], type[GridcommError]] = {
+    (grpc.StatusCode.FAILED_PRECONDITION, RESTARTED_KEY): CoordinatorRestarted,
+}
+
 STATUS_ERRORS: dict[grpc.StatusCode, type[GridcommError]] = {
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
     grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
@@ -110,6 +119,11 @@ def translate(error: grpc.RpcError, what: str, target: str) -> GridcommError:
         rank = int(failed) if failed.lstrip("-").isdigit() else -1
         return RankFailedError(f"{what}: {details}", rank=rank, reason=details)
     cls = STATUS_ERRORS.get(code, GridcommError)
+    for (status, key), refined in TRAILER_ERRORS.items():
+        if code == status and _metadata_value(error, key) is not None:
+            cls = refined
+    if cls is CoordinatorRestarted:
+        return CoordinatorRestarted(f"{what}: the coordinator at {target} restarted and lost the job: {details}")
     if cls is RendezvousTimeout:
         missing_text = _metadata_value(error, MISSING_KEY)
         timeout = RendezvousTimeout(f"{what}: {details}", parse_ranks(missing_text))

@@ -331,8 +331,19 @@ def test_a_caller_unknown_after_the_rendezvous_is_told_the_coordinator_restarted
     with pytest.raises(StateError) as unknown:
         state.check_caller("job", 1, 7, 1, "heartbeat")
     assert "restarted" in unknown.value.message and "before joining" not in unknown.value.message
-    with pytest.raises(StateError, match="before joining"):
+    assert unknown.value.restarted and unknown.value.code == FAILED_PRECONDITION
+    with pytest.raises(StateError, match="before joining") as early:
         state.check_caller("job", 1, 7, 0, "heartbeat")
+    assert not early.value.restarted  # a rank that never joined is a caller's mistake, not a restart
+    # A survivor of a generation this coordinator never formed, asking to rebuild it.
+    with pytest.raises(StateError) as survivor:
+        state.join("job", 1, 2, 7, "h1", now=1.0, base=1, mode="rebuild")
+    assert survivor.value.restarted and "restarted" in survivor.value.message
+    # A known rank's mistake is not taken for a restart.
+    running = joined(2)
+    with pytest.raises(StateError) as stale:
+        running.check_caller("job", 1, 999, 1, "set")
+    assert not stale.value.restarted
 
 
 def test_leaving_twice_is_answered_as_the_first_time_but_only_for_the_same_process():

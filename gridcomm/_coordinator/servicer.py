@@ -23,7 +23,7 @@ import grpc
 from gridcomm._coordinator.metrics import CoordinatorMetrics
 from gridcomm._coordinator.state import REBUILD, SHRINK, JobState, Member, MemberState, StateError, quote
 from gridcomm._proto import coordinator_pb2 as pb
-from gridcomm._wire import CHUNK_BYTES, FAILED_KEY, MISSING_KEY, ranks_text
+from gridcomm._wire import CHUNK_BYTES, FAILED_KEY, MISSING_KEY, RESTARTED_KEY, ranks_text
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,11 @@ def status_of(name: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple[tu
     if isinstance(exc, Abort):
         return exc.code, details(exc.message), exc.metadata
     if isinstance(exc, StateError):
-        metadata = ((FAILED_KEY, str(exc.failed_rank)),) if exc.failed_rank is not None else ()
+        metadata: tuple[tuple[str, str], ...] = ()
+        if exc.failed_rank is not None:
+            metadata = ((FAILED_KEY, str(exc.failed_rank)),)
+        elif exc.restarted:
+            metadata = ((RESTARTED_KEY, "1"),)
         return getattr(grpc.StatusCode, exc.code), details(exc.message), metadata
     log.exception("coordinator: %s failed on an unexpected error", name, exc_info=exc)
     return grpc.StatusCode.INTERNAL, details(f"{name} failed inside the coordinator: {exc!r}"), ()

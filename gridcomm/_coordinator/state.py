@@ -32,13 +32,16 @@ class StateError(Exception):
     """A request the state refuses; ``code`` is a gRPC status name."""
 
     def __init__(self, code: str, message: str, *, failed_rank: int | None = None,
-                 predecessor_alive: bool = False) -> None:
+                 predecessor_alive: bool = False, restarted: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.failed_rank = failed_rank
         #: A new process asked for a rank whose process still looks alive (see JobState._admit).
         self.predecessor_alive = predecessor_alive
+        #: The caller says it joined a generation this coordinator never formed: the coordinator
+        #: restarted and lost the job's state (the client raises CoordinatorRestarted).
+        self.restarted = restarted
 
 
 class MemberState(enum.IntEnum):
@@ -310,6 +313,14 @@ class JobState:
         if mode not in (REBUILD, SHRINK):
             raise StateError(INVALID_ARGUMENT, f"rank {rank}: recovery mode {mode!r} must be rebuild or shrink.")
         member = self.members.get(rank)
+        if member is None and base > self.generation:
+            # Why: a survivor of a generation this coordinator never formed; it restarted since.
+            raise StateError(
+                FAILED_PRECONDITION,
+                f"rank {rank} asked to recover generation {base}, but this coordinator has no record of it: it was "
+                "restarted (or replaced) and lost the job's state; restart every rank of the job.",
+                restarted=True,
+            )
         if member is None or member.incarnation != incarnation:
             raise StateError(
                 FAILED_PRECONDITION,
@@ -452,6 +463,7 @@ class JobState:
                     f"rank {rank} called {what} for generation {generation}, but this coordinator has no record of "
                     f"rank {rank}: it was restarted (or replaced) after the rendezvous and lost the job's state; "
                     "restart every rank of the job.",
+                    restarted=True,
                 )
             raise StateError(FAILED_PRECONDITION, f"rank {rank} called {what} before joining; call join() first.")
         if member.incarnation != incarnation:
