@@ -37,6 +37,18 @@ MAX_REQUEST_BYTES = CHUNK_BYTES + 64 * 1024
 MAX_MESSAGE_BYTES = 80 * 1024 * 1024
 
 
+# Why two numberings and one conversion: the wire's generation fields count formed generations
+# (0: none yet, 1: the first rendezvous), so that 0 can mean "names no generation" (a new
+# process's JoinRequest, a Caller before its join, a Status before the rendezvous). Users see the
+# generation counted from 0 (``comm.generation``: 0 at the first init, +1 per recovery). Renumbering
+# the wire would give 0 two meanings; so everything shown to a person (the API, log lines,
+# ``gridcomm status``, the ``gridcomm_generation`` gauge, error texts) goes through this function.
+def shown_generation(wire_generation: int) -> int:
+    """The generation a user sees for a wire generation: 0 at the first init, +1 per recovery;
+    -1 for the wire's 0 (no generation has formed yet)."""
+    return wire_generation - 1
+
+
 _RANK_PREFIX = re.compile(r"^rank \d+( of \d+)?: ")
 
 

@@ -23,7 +23,7 @@ import grpc
 from gridcomm._coordinator.metrics import CoordinatorMetrics
 from gridcomm._coordinator.state import REBUILD, SHRINK, JobState, Member, MemberState, StateError, quote
 from gridcomm._proto import coordinator_pb2 as pb
-from gridcomm._wire import CHUNK_BYTES, FAILED_KEY, MISSING_KEY, RESTARTED_KEY, ranks_text
+from gridcomm._wire import CHUNK_BYTES, FAILED_KEY, MISSING_KEY, RESTARTED_KEY, ranks_text, shown_generation
 
 log = logging.getLogger(__name__)
 
@@ -316,9 +316,10 @@ class Servicer:
             self._wake(("join",))  # replacements that wait learn that they are not admitted
         if completed:
             if state.generation == 1:
-                log.info("coordinator: all %d ranks joined; generation 1", state.world_size)
+                log.info("coordinator: all %d ranks joined; generation %d", state.world_size,
+                         shown_generation(state.generation))
             else:
-                log.warning("coordinator: generation %d formed by %s(): ranks %s", state.generation,
+                log.warning("coordinator: generation %d formed by %s(): ranks %s", shown_generation(state.generation),
                             state.recovered_from[1], _bounded(list(state.active)))
                 self.metrics.recovered(state.generation)
                 self._owner._set_serving(True)
@@ -397,12 +398,12 @@ class Servicer:
         if recovery is not None and rank in recovery.replacements:
             waiting = recovery.replacements[rank]
         ok = await self._wait(("join",), lambda: state.recovery_check(rank, incarnation, base), request.wait_s,
-                              deadline, f"recovery of generation {base}", fail_fast=False,
+                              deadline, f"recovery of generation {shown_generation(base)}", fail_fast=False,
                               member=waiting if waiting is not None and waiting.incarnation == incarnation else None)
         if not ok:
             missing = state.missing_join()
             raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"the recovery of generation {base} waits for {len(missing)} rank(s): {_bounded(missing)} "
+                        f"the recovery of generation {shown_generation(base)} waits for {len(missing)} rank(s): {_bounded(missing)} "
                         "(survivors that have not called it, or failed ranks without a replacement)",
                         ((MISSING_KEY, ranks_text(missing)),))
         return self._joined()

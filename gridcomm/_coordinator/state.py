@@ -11,6 +11,8 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Sequence
 
+from gridcomm._wire import shown_generation as _shown
+
 #: Error codes, spelled as gRPC status names so the server maps them one to one.
 INVALID_ARGUMENT = "INVALID_ARGUMENT"
 ALREADY_EXISTS = "ALREADY_EXISTS"
@@ -273,7 +275,7 @@ class JobState:
         if rank not in self._everyone:
             raise StateError(
                 FAILED_PRECONDITION,
-                f"rank {rank} is not part of generation {self.generation}: the job shrank to ranks "
+                f"rank {rank} is not part of generation {_shown(self.generation)}: the job shrank to ranks "
                 f"{list(self._everyone)[:16]}; a new process is admitted only as the replacement of a failed rank.",
             )
         if old is not None and old.state is MemberState.JOINED:
@@ -284,14 +286,14 @@ class JobState:
             raise StateError(
                 ALREADY_EXISTS,
                 f"rank {rank} is held by a live process on {old.hostname or '?'} (incarnation {old.incarnation:#x}, "
-                f"{heard}) in generation {self.generation}; a second process for it is refused. A replacement "
+                f"{heard}) in generation {_shown(self.generation)}; a second process for it is refused. A replacement "
                 "is admitted only once its predecessor has failed.",
                 predecessor_alive=True,
             )
         if not self._failed:
             raise StateError(
                 FAILED_PRECONDITION,
-                f"rank {rank} left generation {self.generation} cleanly and no rank has failed; a new process "
+                f"rank {rank} left generation {_shown(self.generation)} cleanly and no rank has failed; a new process "
                 "is admitted only as the replacement of a failed rank (restart the whole job otherwise).",
             )
         if recovery is not None and recovery.mode == SHRINK:
@@ -304,7 +306,7 @@ class JobState:
     def _shrunk_error(self, rank: int) -> StateError:
         return StateError(
             FAILED_PRECONDITION,
-            f"the survivors of generation {self.generation} chose shrink(): the next generation goes on without "
+            f"the survivors of generation {_shown(self.generation)} chose shrink(): the next generation goes on without "
             f"rank {rank}, so its replacement is not admitted.",
         )
 
@@ -317,15 +319,15 @@ class JobState:
             # Why: a survivor of a generation this coordinator never formed; it restarted since.
             raise StateError(
                 FAILED_PRECONDITION,
-                f"rank {rank} asked to recover generation {base}, but this coordinator has no record of it: it was "
+                f"rank {rank} asked to recover generation {_shown(base)}, but this coordinator has no record of it: it was "
                 "restarted (or replaced) and lost the job's state; restart every rank of the job.",
                 restarted=True,
             )
         if member is None or member.incarnation != incarnation:
             raise StateError(
                 FAILED_PRECONDITION,
-                f"rank {rank} (incarnation {incarnation:#x}) asked to recover generation {base}, but it is not a "
-                f"member of generation {self.generation}; a new process joins without naming a generation.",
+                f"rank {rank} (incarnation {incarnation:#x}) asked to recover generation {_shown(base)}, but it is not a "
+                f"member of generation {_shown(self.generation)}; a new process joins without naming a generation.",
             )
         if base == self.generation - 1 and self.recovered_from == (base, mode):
             member.last_seen = now
@@ -333,21 +335,21 @@ class JobState:
         if base != self.generation:
             raise StateError(
                 FAILED_PRECONDITION,
-                f"rank {rank} asked to recover generation {base}, but the job is at generation {self.generation}.",
+                f"rank {rank} asked to recover generation {_shown(base)}, but the job is at generation {_shown(self.generation)}.",
             )
         if member.state is MemberState.FAILED:
             raise StateError(
                 ABORTED,
-                f"rank {rank} was marked failed in generation {base} ({self._failed[rank].reason}); it cannot "
+                f"rank {rank} was marked failed in generation {_shown(base)} ({self._failed[rank].reason}); it cannot "
                 "take part in the recovery: start a new process for it (it will be admitted as a replacement).",
                 failed_rank=rank,
             )
         if member.state is MemberState.LEFT:
-            raise StateError(FAILED_PRECONDITION, f"rank {rank} left generation {base}; it cannot recover it.")
+            raise StateError(FAILED_PRECONDITION, f"rank {rank} left generation {_shown(base)}; it cannot recover it.")
         if not self._failed:
             raise StateError(
                 FAILED_PRECONDITION,
-                f"rank {rank} called {mode}(), but no rank of generation {base} has failed; rebuild() and "
+                f"rank {rank} called {mode}(), but no rank of generation {_shown(base)} has failed; rebuild() and "
                 "shrink() follow a RankFailedError.",
             )
         recovery = self.recovery
@@ -358,7 +360,7 @@ class JobState:
         elif recovery.mode != mode:
             raise StateError(
                 FAILED_PRECONDITION,
-                f"rank {rank} called {mode}(), but the other survivors of generation {base} called "
+                f"rank {rank} called {mode}(), but the other survivors of generation {_shown(base)} called "
                 f"{recovery.mode}(); every survivor must make the same call.",
             )
         member.last_seen = now
@@ -374,10 +376,10 @@ class JobState:
             if member is not None and member.incarnation == incarnation:
                 return True
             raise self._shrunk_error(rank) if self.recovered_from[1] == SHRINK else StateError(
-                ABORTED, f"rank {rank} was replaced in generation {self.generation} by another process.")
+                ABORTED, f"rank {rank} was replaced in generation {_shown(self.generation)} by another process.")
         recovery = self.recovery
         if recovery is None:
-            raise StateError(ABORTED, f"the recovery of generation {base} was abandoned; call it again.")
+            raise StateError(ABORTED, f"the recovery of generation {_shown(base)} was abandoned; call it again.")
         if rank in recovery.survivors and self.members.get(rank) is not None and \
                 self.members[rank].incarnation == incarnation:
             if recovery.survivors[rank] != len(self.failures):
@@ -390,7 +392,7 @@ class JobState:
             if recovery.mode == SHRINK:
                 raise self._shrunk_error(rank)
             return False
-        raise StateError(ABORTED, f"rank {rank} is no longer waiting in the recovery of generation {base}; join again.")
+        raise StateError(ABORTED, f"rank {rank} is no longer waiting in the recovery of generation {_shown(base)}; join again.")
 
     def recovery_missing(self) -> list[int]:
         """Ranks the forming generation still waits for (survivors and replacements)."""
@@ -460,7 +462,7 @@ class JobState:
                 # here, i.e. one restarted since (its state is gone) or another job's.
                 raise StateError(
                     FAILED_PRECONDITION,
-                    f"rank {rank} called {what} for generation {generation}, but this coordinator has no record of "
+                    f"rank {rank} called {what} for generation {_shown(generation)}, but this coordinator has no record of "
                     f"rank {rank}: it was restarted (or replaced) after the rendezvous and lost the job's state; "
                     "restart every rank of the job.",
                     restarted=True,
@@ -475,8 +477,8 @@ class JobState:
         if generation != self.generation and not (any_generation and 0 < generation < self.generation):
             raise StateError(
                 FAILED_PRECONDITION,
-                f"rank {rank} called {what} for generation {generation}, but the job is at generation "
-                f"{self.generation}; rejoin first.",
+                f"rank {rank} called {what} for generation {_shown(generation)}, but the job is at generation "
+                f"{_shown(self.generation)}; rejoin first.",
             )
         if member.state is MemberState.LEFT:
             raise StateError(FAILED_PRECONDITION, f"rank {rank} called {what} after it left the job.")
@@ -649,7 +651,7 @@ class JobState:
                 any(r not in self.members for r in members):
             raise StateError(
                 INVALID_ARGUMENT,
-                f"barrier {quote(name)}: participants must be distinct ranks of generation {self.generation} "
+                f"barrier {quote(name)}: participants must be distinct ranks of generation {_shown(self.generation)} "
                 f"(job ranks {list(self._everyone)[:16]}), sorted; got {list(members)[:16]}.",
             )
         return members
