@@ -138,7 +138,7 @@ def test_shrink_keeps_the_survivors_and_refuses_a_replacement():
     assert state.generation == 2 and state.active == (0, 1, 3) and sorted(state.members) == [0, 1, 3]
     with pytest.raises(StateError, match="shrink"):
         state.recovery_check(2, 555, 1)
-    with pytest.raises(StateError, match="not part of generation 2"):
+    with pytest.raises(StateError, match="not part of generation 1"):
         state.join("job", 2, 4, 777, "h2c", now=13.0)
     # A whole-generation barrier is over the survivors; the departed rank is no participant.
     for r in (0, 1):
@@ -172,7 +172,7 @@ def test_a_failure_during_the_recovery_ends_the_waits_and_can_be_retried():
         (0, 100, dict(base=1, mode="shrink"), FAILED_PRECONDITION, "same call"),
         (2, 102, dict(base=1, mode="rebuild"), ABORTED, "marked failed"),
         (0, 999, dict(base=1, mode="rebuild"), FAILED_PRECONDITION, "not a member"),
-        (0, 100, dict(base=3, mode="rebuild"), FAILED_PRECONDITION, "generation 1"),
+        (0, 100, dict(base=3, mode="rebuild"), FAILED_PRECONDITION, "job is at generation 0"),
         (0, 100, dict(base=1, mode="grow"), INVALID_ARGUMENT, "rebuild or shrink"),
         (0, 100, dict(mode="rebuild"), INVALID_ARGUMENT, "generation"),
     ],
@@ -187,7 +187,7 @@ def test_recovery_refusals(rank, incarnation, kwargs, code, words):
 
 def test_recovery_without_a_failure_and_a_replacement_for_a_rank_that_left_are_refused():
     state = joined(2)
-    with pytest.raises(StateError, match="no rank of generation 1 has failed"):
+    with pytest.raises(StateError, match="no rank of generation 0 has failed"):
         state.join("job", 0, 2, 100, "h0", now=1.0, base=1, mode="rebuild")
     state.leave(1, now=2.0)
     with pytest.raises(StateError, match="left generation 1 cleanly"):
@@ -208,7 +208,8 @@ def test_a_heartbeat_speaks_for_the_process_across_generations():
     state.join("job", 1, 2, 555, "h1b", now=11.0)
     assert state.join("job", 0, 2, 100, "h0", now=12.0, base=1, mode="rebuild") is True
     assert state.check_caller("job", 0, 100, 1, "heartbeat", any_generation=True).rank == 0
-    with pytest.raises(StateError, match="generation 2"):
+    # Shown as users count: the wire's generations 1 and 2 are generations 0 and 1.
+    with pytest.raises(StateError, match="for generation 0, but the job is at generation 1"):
         state.check_caller("job", 0, 100, 1, "set")
 
 
