@@ -190,7 +190,7 @@ def test_recovery_without_a_failure_and_a_replacement_for_a_rank_that_left_are_r
     with pytest.raises(StateError, match="no rank of generation 0 has failed"):
         state.join("job", 0, 2, 100, "h0", now=1.0, base=1, mode="rebuild")
     state.leave(1, now=2.0)
-    with pytest.raises(StateError, match="left generation 1 cleanly"):
+    with pytest.raises(StateError, match="left generation 0 cleanly"):
         state.join("job", 1, 2, 999, "h1", now=3.0)
 
 
