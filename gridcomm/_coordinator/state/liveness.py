@@ -13,6 +13,29 @@ class Liveness(StateBase):
         waited to join)."""
         return self.members.get(member.rank) is member
 
+    def gone(self, member: Member) -> bool:
+        """Whether ``member`` no longer holds its rank as a live process (failed, left, replaced)."""
+        return member.state is not MemberState.JOINED or not self.is_current(member)
+
+    def predecessor_settled(self, old: Member, since: float) -> bool:
+        """Whether a new process waiting for ``old``'s rank may stop waiting: ``old`` is gone (the
+        join is tried again) or it heartbeat after ``since``, when the new one came (it is alive:
+        the new one is a second process for the rank, and is refused)."""
+        return self.gone(old) or (old.last_heartbeat is not None and old.last_heartbeat > since)
+
+    def seen(self, member: Member, now: float) -> None:
+        """A call of ``member`` arrived or ended: it showed a sign of life."""
+        member.last_seen = now
+
+    def call_started(self, member: Member) -> None:
+        """``member`` waits in a call: while it does, it is not taken for a process that died while
+        joining (see Limits.stale_join_s)."""
+        member.active_calls += 1
+
+    def call_ended(self, member: Member, now: float) -> None:
+        member.active_calls -= 1
+        member.last_seen = now
+
     def lost_connection(self, member: Member, beat: float | None) -> bool:
         """Whether a rank whose heartbeat call dropped at ``beat`` (its last heartbeat then) and
         sent none since is lost: still joined, still the same process, no heartbeat after."""

@@ -146,6 +146,33 @@ class JobState(Liveness, Barriers, KeyValue):
             return True
         return False
 
+    def join_answer(self, rank: int, incarnation: int, base: int) -> str:
+        """What a join that :meth:`join` accepted waits for: ``"joined"`` (answered at once: a
+        member's join of the formed generation, the one that completed it or a re-poll),
+        ``"recovery"`` (a process admitted into a running job, or a survivor: the next generation),
+        or ``"rendezvous"`` (the first generation is still forming)."""
+        if not self.complete:
+            return "rendezvous"
+        member = self.members.get(rank)
+        if not base and member is not None and member.incarnation == incarnation:
+            return "joined"
+        return "recovery"
+
+    def recovery_waiter(self, rank: int, incarnation: int) -> Member | None:
+        """The process of ``rank`` that waits in a recovery (a survivor, or the replacement admitted
+        for a failed rank), if it is the one with ``incarnation``: its call in flight counts."""
+        recovery = self.recovery
+        waiting = self.members.get(rank)
+        if recovery is not None and rank in recovery.replacements:
+            waiting = recovery.replacements[rank]
+        return waiting if waiting is not None and waiting.incarnation == incarnation else None
+
+    def refuses_waiting_replacements(self) -> bool:
+        """Whether the forming generation leaves out replacements that wait (survivors chose
+        shrink()): they must be woken to hear that they are not admitted."""
+        recovery = self.recovery
+        return recovery is not None and recovery.mode == SHRINK and bool(recovery.replacements)
+
     def _repoll(self, waiting: Member, incarnation: int, now: float, taken: str) -> bool:
         """A join for a rank that ``waiting`` (a process not yet in a generation) holds: True when
         it is that process re-polling (idempotent); raises when another live one holds it; False
