@@ -26,7 +26,7 @@ from yamllint import linter
 from yamllint.config import YamlLintConfig
 
 from gridcomm import _cluster, _config
-from gridcomm._cli.main import main as _cli
+from gridcomm._cli import main as _cli_main
 from tests.support import k8s_jobs
 from tests.support.procs import ROOT
 
@@ -603,7 +603,7 @@ def test_recoverable_workers_dial_the_coordinator_pod(m: Manifests):
     # One coordinator, never two at once, serving the workers' world size, job id and token.
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
     assert server["command"][0] == "gridcomm"
-    serve = _cli._build_parser().parse_args(server["command"][1:])
+    serve = _cli_main._build_parser().parse_args(server["command"][1:])
     server_env = _literal_env(server)
     assert serve.command == "serve"
     assert _config.world_size(serve.world_size) == job["spec"]["completions"] == job["spec"]["parallelism"] \
@@ -669,7 +669,7 @@ def test_recoverable_pods_run_what_the_image_holds(m: Manifests):
     dockerfile = open(os.path.join(DEPLOY, "docker", "Dockerfile"), encoding="utf-8").read()
     exposed = {int(p) for p in re.search(r"^EXPOSE (.+)$", dockerfile, re.M).group(1).split()}  # type: ignore[union-attr]
     pyproject = open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8").read()
-    assert re.search(r'^gridcomm = "gridcomm\._cli:main"$', pyproject, re.M), "the image's `gridcomm` command"
+    assert re.search(r'^gridcomm = "gridcomm\._cli\.main:main"$', pyproject, re.M), "the image's `gridcomm` command"
     for pod_spec in (m.recoverable_job["spec"]["template"]["spec"], m.coordinator["spec"]["template"]["spec"]):
         (container,) = pod_spec["containers"]
         assert {p["containerPort"] for p in container["ports"]} <= exposed
