@@ -432,3 +432,61 @@ def test_a_rank_that_never_heartbeats_expires_once_the_job_uses_heartbeats():
     assert state.expired(now=10.0, timeout_s=5.0) == [2]
     state.members[2].active_calls = 1  # ...unless it is still in a call (e.g. its join)
     assert state.expired(now=10.0, timeout_s=5.0) == []
+
+
+# ----------------------------------------------------------------- decisions the servicer asks for
+def test_join_answer_tells_the_servicer_what_a_join_waits_for():
+    state = JobState(2, "job", now=0.0)
+    state.join("job", 0, 2, 100, "h0", now=0.0)
+    assert state.join_answer(0, 100, 0) == "rendezvous"  # the first generation still forms
+    state.join("job", 1, 2, 101, "h1", now=0.5)
+    assert state.join_answer(0, 100, 0) == "joined"  # a member's re-poll is answered at once
+    assert state.join_answer(0, 100, 1) == "recovery"  # a survivor naming its generation waits
+    assert state.fail(1, "killed", -1, now=1.0) is not None
+    assert state.join("job", 1, 2, 555, "h1b", now=2.0) is False
+    assert state.join_answer(1, 555, 0) == "recovery"  # a replacement waits for the next generation
+
+
+def test_recovery_waiter_is_the_replacement_or_the_survivor_of_that_incarnation():
+    state = failed_one(n=3, victim=2)
+    state.join("job", 2, 3, 555, "h2b", now=11.0)
+    assert state.recovery_waiter(2, 555) is state.recovery.replacements[2]
+    assert state.recovery_waiter(2, 102) is None  # the failed process no longer waits
+    assert state.recovery_waiter(0, 100) is state.members[0]
+    assert state.recovery_waiter(0, 999) is None
+
+
+def test_a_new_process_waits_for_its_predecessor_until_it_fails_or_heartbeats():
+    state = joined(2)
+    state.heartbeat(1, now=1.0)
+    old = state.members[1]
+    assert not state.predecessor_settled(old, since=2.0)  # silent since the new one came
+    state.heartbeat(1, now=2.5)
+    assert state.predecessor_settled(old, since=2.0) and not state.gone(old)  # alive: the new one is refused
+    state.fail(1, "silent", -1, now=3.0)
+    assert state.predecessor_settled(old, since=4.0) and state.gone(old)  # failed: the join is tried again
+
+
+def test_a_call_in_flight_keeps_a_joining_process_from_being_replaced():
+    state = JobState(2, "job", now=0.0)
+    state.join("job", 0, 2, 100, "h0", now=0.0)
+    waiting = state.members[0]
+    state.call_started(waiting)
+    with pytest.raises(StateError) as taken:  # long past stale_join_s, but its call is still open
+        state.join("job", 0, 2, 200, "h0b", now=10.0)
+    assert taken.value.code == ALREADY_EXISTS
+    state.call_ended(waiting, now=10.0)
+    assert waiting.active_calls == 0 and waiting.last_seen == 10.0
+    state.seen(waiting, now=11.0)
+    with pytest.raises(StateError):  # seen a moment ago: still live
+        state.join("job", 0, 2, 200, "h0b", now=11.5)
+    assert state.join("job", 0, 2, 200, "h0b", now=11.0 + state.limits.stale_join_s + 0.1) is False
+    assert state.members[0].incarnation == 200 and state.gone(waiting)
+
+
+def test_a_shrink_refuses_the_replacements_that_wait():
+    state = failed_one(n=3, victim=2)
+    state.join("job", 2, 3, 555, "h2b", now=11.0)
+    assert not state.refuses_waiting_replacements()  # nobody chose yet
+    state.join("job", 0, 3, 100, "h0", now=12.0, base=1, mode="shrink")
+    assert state.refuses_waiting_replacements()
