@@ -62,6 +62,13 @@ class CoordinatorUnavailable(GridcommError, ConnectionError):
     the deadline."""
 
 
+class CoordinatorRestarted(CoordinatorUnavailable):
+    """Raised when the coordinator no longer knows this job: it restarted and lost the job's state
+    (members, generation, keys), so a rank that had joined is a stranger to it. Not a mistake in
+    this rank's configuration: restart every rank of the job so that they meet at the new
+    coordinator. Catchable as :class:`CoordinatorUnavailable`."""
+
+
 class CoordinatorLost(RankFailedError, CoordinatorUnavailable):
     """Raised on every other rank when the coordinator hosted inside rank 0 stopped answering:
     rank 0 is taken as failed (``rank == 0``). Catchable as either parent."""

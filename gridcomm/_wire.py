@@ -13,6 +13,7 @@ from gridcomm._errors import (
     AuthenticationError,
     CommAborted,
     ConfigError,
+    CoordinatorRestarted,
     CoordinatorUnavailable,
     GridcommError,
     RankFailedError,
@@ -23,6 +24,9 @@ SERVICE_NAME = "gridcomm.v1.Coordinator"
 #: Trailers: the ranks a timed-out wait still waits for, and the rank whose failure ended a call.
 MISSING_KEY = "gridcomm-missing-ranks"
 FAILED_KEY = "gridcomm-failed-rank"
+#: Trailer on a FAILED_PRECONDITION refusal from a coordinator that has no record of a rank that
+#: says it joined: the coordinator restarted and lost the job (CoordinatorRestarted, not ConfigError).
+RESTARTED_KEY = "gridcomm-coordinator-restarted"
 
 #: A key's value larger than this travels in pieces of this size.
 CHUNK_BYTES = 1024 * 1024
@@ -31,6 +35,18 @@ CHUNK_BYTES = 1024 * 1024
 MAX_REQUEST_BYTES = CHUNK_BYTES + 64 * 1024
 #: Largest message sent (the coordinator's answers; a Session reply batches several).
 MAX_MESSAGE_BYTES = 80 * 1024 * 1024
+
+
+# Why two numberings and one conversion: the wire's generation fields count formed generations
+# (0: none yet, 1: the first rendezvous), so that 0 can mean "names no generation" (a new
+# process's JoinRequest, a Caller before its join, a Status before the rendezvous). Users see the
+# generation counted from 0 (``comm.generation``: 0 at the first init, +1 per recovery). Renumbering
+# the wire would give 0 two meanings; so everything shown to a person (the API, log lines,
+# ``gridcomm status``, the ``gridcomm_generation`` gauge, error texts) goes through this function.
+def shown_generation(wire_generation: int) -> int:
+    """The generation a user sees for a wire generation: 0 at the first init, +1 per recovery;
+    -1 for the wire's 0 (no generation has formed yet)."""
+    return wire_generation - 1
 
 
 _RANK_PREFIX = re.compile(r"^rank \d+( of \d+)?: ")
@@ -60,6 +76,11 @@ def ranks_text(ranks: Iterable[int], limit: int = 2048) -> str:
 
 
 # One table from gRPC status to the library's errors (metadata refines it: see translate).
+#: (status, trailer) -> the error a status carrying that trailer means instead of its plain one.
+TRAILER_ERRORS: dict[tuple[grpc.StatusCode, str], type[GridcommError]] = {
+    (grpc.StatusCode.FAILED_PRECONDITION, RESTARTED_KEY): CoordinatorRestarted,
+}
+
 STATUS_ERRORS: dict[grpc.StatusCode, type[GridcommError]] = {
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
     grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
@@ -110,6 +131,11 @@ def translate(error: grpc.RpcError, what: str, target: str) -> GridcommError:
         rank = int(failed) if failed.lstrip("-").isdigit() else -1
         return RankFailedError(f"{what}: {details}", rank=rank, reason=details)
     cls = STATUS_ERRORS.get(code, GridcommError)
+    for (status, key), refined in TRAILER_ERRORS.items():
+        if code == status and _metadata_value(error, key) is not None:
+            cls = refined
+    if cls is CoordinatorRestarted:
+        return CoordinatorRestarted(f"{what}: the coordinator at {target} restarted and lost the job: {details}")
     if cls is RendezvousTimeout:
         missing_text = _metadata_value(error, MISSING_KEY)
         # Why from_server: a wait the server ended (it answered) differs from no answer at all.

@@ -310,17 +310,27 @@ def test_value_pieces_out_of_order_are_refused_and_nothing_is_stored(coordinator
 
 @pytest.mark.timeout(60)
 def test_a_coordinator_restarted_after_the_rendezvous_says_so(coordinator_factory):
-    first = coordinator_factory(1)
-    client = gridcomm.CoordinatorClient("127.0.0.1", first.port, 0, 1, timeout_s=5.0)
+    """An old rank's next call to a fresh coordinator on the same port raises CoordinatorRestarted:
+    a CoordinatorUnavailable (so a supervisor restarts the job), never a ConfigError (a user mistake)."""
+    import concurrent.futures
+
+    first = coordinator_factory(2)
+    clients = [gridcomm.CoordinatorClient("127.0.0.1", first.port, r, 2, timeout_s=5.0) for r in range(2)]
     try:
-        client.join()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            for done in [pool.submit(c.join) for c in clients]:
+                done.result(timeout=30)
         port = first.port
         first.stop()
-        coordinator_factory(1, port=port)
-        with pytest.raises(gridcomm.GridcommError) as refused:
-            client.set("k", b"v")
-        text = str(refused.value)
-        assert "no record of rank 0" in text and "restarted" in text, text
-        assert "before joining" not in text
+        coordinator_factory(2, port=port)
+        for call in (lambda: clients[0].set("k", b"v"), lambda: clients[1].barrier("b", timeout_s=5.0)):
+            with pytest.raises(gridcomm.CoordinatorRestarted) as refused:
+                call()
+            assert isinstance(refused.value, gridcomm.CoordinatorUnavailable)
+            assert not isinstance(refused.value, gridcomm.ConfigError)
+            text = str(refused.value)
+            assert "no record of rank" in text and "restarted" in text, text
+            assert "before joining" not in text
     finally:
-        client.close()
+        for c in clients:
+            c.close()

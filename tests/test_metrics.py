@@ -65,7 +65,7 @@ def test_serve_metrics_port_serves_the_named_series():
         before = scrape(metrics_port)
         assert value(before, "gridcomm_coordinator_responsive") == 1
         assert value(before, "gridcomm_world_size") == 3 and value(before, "gridcomm_ranks_joined") == 0
-        assert value(before, "gridcomm_rendezvous_complete") == 0 and value(before, "gridcomm_generation") == 0
+        assert value(before, "gridcomm_rendezvous_complete") == 0 and value(before, "gridcomm_generation") == -1
 
         # A caller without the token, and a rank with the wrong world size: both refused, both counted.
         with pytest.raises(gridcomm.AuthenticationError):
@@ -81,7 +81,7 @@ def test_serve_metrics_port_serves_the_named_series():
 
         after = scrape(metrics_port)
         assert value(after, "gridcomm_ranks_joined") == 3
-        assert value(after, "gridcomm_rendezvous_complete") == 1 and value(after, "gridcomm_generation") >= 1
+        assert value(after, "gridcomm_rendezvous_complete") == 1 and value(after, "gridcomm_generation") >= 0
         assert value(after, "gridcomm_ranks", state="failed") == 1
         assert value(after, "gridcomm_rank_failures_total") == 1
         assert value(after, "gridcomm_serving") == 0

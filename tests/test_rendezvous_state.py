@@ -138,7 +138,7 @@ def test_shrink_keeps_the_survivors_and_refuses_a_replacement():
     assert state.generation == 2 and state.active == (0, 1, 3) and sorted(state.members) == [0, 1, 3]
     with pytest.raises(StateError, match="shrink"):
         state.recovery_check(2, 555, 1)
-    with pytest.raises(StateError, match="not part of generation 2"):
+    with pytest.raises(StateError, match="not part of generation 1"):
         state.join("job", 2, 4, 777, "h2c", now=13.0)
     # A whole-generation barrier is over the survivors; the departed rank is no participant.
     for r in (0, 1):
@@ -172,7 +172,7 @@ def test_a_failure_during_the_recovery_ends_the_waits_and_can_be_retried():
         (0, 100, dict(base=1, mode="shrink"), FAILED_PRECONDITION, "same call"),
         (2, 102, dict(base=1, mode="rebuild"), ABORTED, "marked failed"),
         (0, 999, dict(base=1, mode="rebuild"), FAILED_PRECONDITION, "not a member"),
-        (0, 100, dict(base=3, mode="rebuild"), FAILED_PRECONDITION, "generation 1"),
+        (0, 100, dict(base=3, mode="rebuild"), FAILED_PRECONDITION, "job is at generation 0"),
         (0, 100, dict(base=1, mode="grow"), INVALID_ARGUMENT, "rebuild or shrink"),
         (0, 100, dict(mode="rebuild"), INVALID_ARGUMENT, "generation"),
     ],
@@ -187,10 +187,10 @@ def test_recovery_refusals(rank, incarnation, kwargs, code, words):
 
 def test_recovery_without_a_failure_and_a_replacement_for_a_rank_that_left_are_refused():
     state = joined(2)
-    with pytest.raises(StateError, match="no rank of generation 1 has failed"):
+    with pytest.raises(StateError, match="no rank of generation 0 has failed"):
         state.join("job", 0, 2, 100, "h0", now=1.0, base=1, mode="rebuild")
     state.leave(1, now=2.0)
-    with pytest.raises(StateError, match="left generation 1 cleanly"):
+    with pytest.raises(StateError, match="left generation 0 cleanly"):
         state.join("job", 1, 2, 999, "h1", now=3.0)
 
 
@@ -208,7 +208,8 @@ def test_a_heartbeat_speaks_for_the_process_across_generations():
     state.join("job", 1, 2, 555, "h1b", now=11.0)
     assert state.join("job", 0, 2, 100, "h0", now=12.0, base=1, mode="rebuild") is True
     assert state.check_caller("job", 0, 100, 1, "heartbeat", any_generation=True).rank == 0
-    with pytest.raises(StateError, match="generation 2"):
+    # Shown as users count: the wire's generations 1 and 2 are generations 0 and 1.
+    with pytest.raises(StateError, match="for generation 0, but the job is at generation 1"):
         state.check_caller("job", 0, 100, 1, "set")
 
 
@@ -331,8 +332,19 @@ def test_a_caller_unknown_after_the_rendezvous_is_told_the_coordinator_restarted
     with pytest.raises(StateError) as unknown:
         state.check_caller("job", 1, 7, 1, "heartbeat")
     assert "restarted" in unknown.value.message and "before joining" not in unknown.value.message
-    with pytest.raises(StateError, match="before joining"):
+    assert unknown.value.restarted and unknown.value.code == FAILED_PRECONDITION
+    with pytest.raises(StateError, match="before joining") as early:
         state.check_caller("job", 1, 7, 0, "heartbeat")
+    assert not early.value.restarted  # a rank that never joined is a caller's mistake, not a restart
+    # A survivor of a generation this coordinator never formed, asking to rebuild it.
+    with pytest.raises(StateError) as survivor:
+        state.join("job", 1, 2, 7, "h1", now=1.0, base=1, mode="rebuild")
+    assert survivor.value.restarted and "restarted" in survivor.value.message
+    # A known rank's mistake is not taken for a restart.
+    running = joined(2)
+    with pytest.raises(StateError) as stale:
+        running.check_caller("job", 1, 999, 1, "set")
+    assert not stale.value.restarted
 
 
 def test_leaving_twice_is_answered_as_the_first_time_but_only_for_the_same_process():
@@ -420,3 +432,61 @@ def test_a_rank_that_never_heartbeats_expires_once_the_job_uses_heartbeats():
     assert state.expired(now=10.0, timeout_s=5.0) == [2]
     state.members[2].active_calls = 1  # ...unless it is still in a call (e.g. its join)
     assert state.expired(now=10.0, timeout_s=5.0) == []
+
+
+# ----------------------------------------------------------------- decisions the servicer asks for
+def test_join_answer_tells_the_servicer_what_a_join_waits_for():
+    state = JobState(2, "job", now=0.0)
+    state.join("job", 0, 2, 100, "h0", now=0.0)
+    assert state.join_answer(0, 100, 0) == "rendezvous"  # the first generation still forms
+    state.join("job", 1, 2, 101, "h1", now=0.5)
+    assert state.join_answer(0, 100, 0) == "joined"  # a member's re-poll is answered at once
+    assert state.join_answer(0, 100, 1) == "recovery"  # a survivor naming its generation waits
+    assert state.fail(1, "killed", -1, now=1.0) is not None
+    assert state.join("job", 1, 2, 555, "h1b", now=2.0) is False
+    assert state.join_answer(1, 555, 0) == "recovery"  # a replacement waits for the next generation
+
+
+def test_recovery_waiter_is_the_replacement_or_the_survivor_of_that_incarnation():
+    state = failed_one(n=3, victim=2)
+    state.join("job", 2, 3, 555, "h2b", now=11.0)
+    assert state.recovery_waiter(2, 555) is state.recovery.replacements[2]
+    assert state.recovery_waiter(2, 102) is None  # the failed process no longer waits
+    assert state.recovery_waiter(0, 100) is state.members[0]
+    assert state.recovery_waiter(0, 999) is None
+
+
+def test_a_new_process_waits_for_its_predecessor_until_it_fails_or_heartbeats():
+    state = joined(2)
+    state.heartbeat(1, now=1.0)
+    old = state.members[1]
+    assert not state.predecessor_settled(old, since=2.0)  # silent since the new one came
+    state.heartbeat(1, now=2.5)
+    assert state.predecessor_settled(old, since=2.0) and not state.gone(old)  # alive: the new one is refused
+    state.fail(1, "silent", -1, now=3.0)
+    assert state.predecessor_settled(old, since=4.0) and state.gone(old)  # failed: the join is tried again
+
+
+def test_a_call_in_flight_keeps_a_joining_process_from_being_replaced():
+    state = JobState(2, "job", now=0.0)
+    state.join("job", 0, 2, 100, "h0", now=0.0)
+    waiting = state.members[0]
+    state.call_started(waiting)
+    with pytest.raises(StateError) as taken:  # long past stale_join_s, but its call is still open
+        state.join("job", 0, 2, 200, "h0b", now=10.0)
+    assert taken.value.code == ALREADY_EXISTS
+    state.call_ended(waiting, now=10.0)
+    assert waiting.active_calls == 0 and waiting.last_seen == 10.0
+    state.seen(waiting, now=11.0)
+    with pytest.raises(StateError):  # seen a moment ago: still live
+        state.join("job", 0, 2, 200, "h0b", now=11.5)
+    assert state.join("job", 0, 2, 200, "h0b", now=11.0 + state.limits.stale_join_s + 0.1) is False
+    assert state.members[0].incarnation == 200 and state.gone(waiting)
+
+
+def test_a_shrink_refuses_the_replacements_that_wait():
+    state = failed_one(n=3, victim=2)
+    state.join("job", 2, 3, 555, "h2b", now=11.0)
+    assert not state.refuses_waiting_replacements()  # nobody chose yet
+    state.join("job", 0, 3, 100, "h0", now=12.0, base=1, mode="shrink")
+    assert state.refuses_waiting_replacements()

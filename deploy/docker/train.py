@@ -197,31 +197,21 @@ def run(steps: int, elements: int, step_sleep_s: float = 0.0, *, recovery: str =
         # A replacement pod (generation > 0) logs its first good step as a survivor does.
         announce = _generation(comm) > 0
         started = time.perf_counter()
-        try:
-            while True:
-                try:
-                    _train_from(comm, step, steps, send, recv, announce=announce, **options)
-                    break
-                except gridcomm.RankFailedError as exc:
-                    # Recovery needs a live coordinator: without one there is nothing to rebuild around.
-                    if recovery == "off" or isinstance(exc, gridcomm.CoordinatorUnavailable) or recoveries >= max_recoveries:
-                        raise
-                    recoveries += 1
-                    log.warning("rank %d: %s: %s; recovering with %s() (%d of at most %d)", comm.rank,
-                                type(exc).__name__, exc, recovery, recoveries, max_recoveries)
-                    current.comm = comm = _recover(comm, recovery, recovery_timeout_s, max_recoveries - recoveries + 1)
-                    step, announce = _resume(comm, xp, checkpoint), True
-                    log.info("rank %d of %d: generation %d, members %s, resuming at step %d", comm.rank, comm.world_size,
-                             _generation(comm), list(_members(comm)), step)
-        except gridcomm.ConfigError as exc:
-            # A rank that had joined refused as if misconfigured: the coordinator lost the job's state
-            # (its pod was restarted) and answers FAILED_PRECONDITION, which gridcomm raises as
-            # ConfigError. Not this pod's configuration: exit 3, so that the Job restarts the index and
-            # the new pods meet at the new coordinator. A wrong argument (ArgumentError) is this script's.
-            if isinstance(exc, gridcomm.ArgumentError):
-                raise
-            raise gridcomm.CoordinatorUnavailable(f"the coordinator refused rank {comm.rank} after the rendezvous: "
-                                                  f"{exc}") from exc
+        while True:
+            try:
+                _train_from(comm, step, steps, send, recv, announce=announce, **options)
+                break
+            except gridcomm.RankFailedError as exc:
+                # Recovery needs a live coordinator: without one there is nothing to rebuild around.
+                if recovery == "off" or isinstance(exc, gridcomm.CoordinatorUnavailable) or recoveries >= max_recoveries:
+                    raise
+                recoveries += 1
+                log.warning("rank %d: %s: %s; recovering with %s() (%d of at most %d)", comm.rank,
+                            type(exc).__name__, exc, recovery, recoveries, max_recoveries)
+                current.comm = comm = _recover(comm, recovery, recovery_timeout_s, max_recoveries - recoveries + 1)
+                step, announce = _resume(comm, xp, checkpoint), True
+                log.info("rank %d of %d: generation %d, members %s, resuming at step %d", comm.rank, comm.world_size,
+                         _generation(comm), list(_members(comm)), step)
         elapsed = time.perf_counter() - started
         extra = f" (generation {_generation(comm)}, {recoveries} recoveries, resumed at step {first})" \
             if recovery != "off" else ""

@@ -38,7 +38,7 @@ from gridcomm._errors import (
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._runtime import loop as _eventloop
-from gridcomm._wire import CHUNK_BYTES, translate
+from gridcomm._wire import CHUNK_BYTES, shown_generation, translate
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ class CoordinatorClient:
         if not self._joined or self._closed:
             raise CommAborted(f"rank {self.rank}: {mode} needs a joined, open client.")
         base = self.generation
-        what = f"rank {self.rank}: {mode} of generation {base}"
+        what = f"rank {self.rank}: {mode} of generation {shown_generation(base)}"
 
         def attempt(wait_s: float, call_s: float) -> pb.JoinResponse:
             return self._op("join", self._join_request(wait_s, base, recovery), what, call_s)

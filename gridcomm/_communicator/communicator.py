@@ -27,6 +27,7 @@ from gridcomm._errors import (
     coordinator_lost,
 )
 from gridcomm._runtime.health import ProcessHealth
+from gridcomm._wire import shown_generation
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +110,8 @@ class Communicator:
         #: The rank's job (a root's; None for a split child): what it hosts (the embedded
         #: coordinator, the health port), and what makes the next generation's communicator.
         self._job = job
-        #: 0 at the first init, +1 per recovery (the coordinator counts from 1: its generation 0
-        #: is the rendezvous still forming).
-        self.generation: int = client.generation - 1
+        #: 0 at the first init, +1 per recovery (see shown_generation for the wire's numbering).
+        self.generation: int = shown_generation(client.generation)
         #: The communicator a rebuild() or shrink() of this one returned.
         self._successor: Communicator | None = None
         # Why the backend is made here, with its hooks: it has them from its first call on, and

@@ -17,6 +17,7 @@ from gridcomm._coordinator.server import Coordinator
 from gridcomm._errors import ConfigError, GridcommError
 from gridcomm._runtime import health as _health
 from gridcomm._runtime.health import ProcessHealth
+from gridcomm._wire import shown_generation
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class Job:
             self._give_up(exc)
             raise
         log.info("rank %d of %d: %s communicator ready in %.3f s (generation %d)", self.rank, self.world_size,
-                 self.kind, time.monotonic() - started, self.client.generation)
+                 self.kind, time.monotonic() - started, shown_generation(self.client.generation))
         return comm
 
     def _communicator(self, timeout_s: float | None = None) -> Communicator:
@@ -177,7 +178,7 @@ class Job:
         # Why what is left: the caller's bound covers the whole recovery, NCCL's creation included.
         comm = self._communicator(max(1.0, budget - (time.monotonic() - started)))
         log.warning("rank %d: %s() done in %.3f s: generation %d, %d ranks (job ranks %s)", self.rank, mode,
-                    time.monotonic() - started, client.generation, comm.world_size, list(comm.members)[:16])
+                    time.monotonic() - started, shown_generation(client.generation), comm.world_size, list(comm.members)[:16])
         return comm
 
     def _give_up(self, exc: BaseException) -> None:

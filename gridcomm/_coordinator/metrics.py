@@ -25,6 +25,7 @@ from typing import Any
 from gridcomm import _config
 from gridcomm._errors import CoordinatorUnavailable
 from gridcomm._runtime.guard import bind_problem
+from gridcomm._wire import shown_generation
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +208,7 @@ def _snapshot(coordinator: Any) -> _Snapshot:
     restarts = sum(getattr(s, "restarts", 0) for s in (getattr(coordinator, "_main", None),
                                                        getattr(coordinator, "_health_server", None)) if s is not None)
     return _Snapshot(
-        world_size=state.world_size, generation=state.generation, joined=len(members),
+        world_size=state.world_size, generation=shown_generation(state.generation), joined=len(members),
         by_state={s: by_state.get(s, 0) for s in ("joined", "left", "failed")}, connected=connected,
         complete=state.complete, serving=coordinator.serving, pending_barriers=len(pending),
         oldest_barrier_s=max((p[4] for p in pending), default=0.0), failures_recorded=len(state.failures),
@@ -271,7 +272,7 @@ class _Collector:
         yield gauge("gridcomm_ranks_connected", "Joined ranks heard from within the heartbeat timeout (or with a "
                     "call in flight).", snap.connected)
         yield gauge("gridcomm_rendezvous_complete", "1 once every rank has joined.", int(snap.complete))
-        yield gauge("gridcomm_generation", "The job's generation (0 before the rendezvous completes).", snap.generation)
+        yield gauge("gridcomm_generation", "The job's generation: 0 at the first rendezvous, +1 per recovery (-1 before the first completes).", snap.generation)
         yield gauge("gridcomm_serving", "1 while the coordinator accepts calls and no rank has failed "
                     "(its readiness).", int(snap.serving))
         yield gauge("gridcomm_barriers_pending", "Barrier instances some rank waits at.", snap.pending_barriers)

@@ -18,7 +18,8 @@ from grpc_health.v1 import health_pb2
 from gridcomm import _config
 from gridcomm._config.settings import CoordinatorSettings
 from gridcomm._coordinator import metrics as _metrics
-from gridcomm._coordinator.servicer import UNDECODABLE, Abort, Servicer, refuse
+from gridcomm._coordinator.answers import UNDECODABLE, Abort, refuse
+from gridcomm._coordinator.servicer import Servicer
 from gridcomm._coordinator.session import ServerSession
 from gridcomm._coordinator.state import JobState, Limits
 from gridcomm._errors import ConfigError, CoordinatorUnavailable
@@ -370,8 +371,22 @@ class Coordinator:
         must not say SERVING for a port that refuses connections."""
         asyncio.ensure_future(self._publish_health())
 
-    def _set_serving(self, serving: bool) -> None:
-        """Called on the loop thread (after a failure)."""
+    @property
+    def token(self) -> str | None:
+        """The job's token every call must carry (None: none is asked for)."""
+        return self._token
+
+    @property
+    def closing(self) -> bool:
+        """Whether stop() has begun: waits end with UNAVAILABLE, open streams go unanswered."""
+        return self._closing
+
+    def note_all_left(self) -> None:
+        """Every rank has left or failed: a stop() that waits for that goes on."""
+        self._all_left.set()
+
+    def set_serving(self, serving: bool) -> None:
+        """Called on the loop thread (after a failure, and when a recovery forms a generation)."""
         self._job_ok = serving
         asyncio.ensure_future(self._publish_health())
 

@@ -13,115 +13,25 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import grpc
 
+from gridcomm._coordinator.answers import Abort, RefusalLog, bounded, failure_pb, member_pb
 from gridcomm._coordinator.metrics import CoordinatorMetrics
-from gridcomm._coordinator.state import REBUILD, SHRINK, JobState, Member, MemberState, StateError, quote
+from gridcomm._coordinator.state import REBUILD, SHRINK, JobState, Member, StateError, quote
 from gridcomm._proto import coordinator_pb2 as pb
-from gridcomm._wire import CHUNK_BYTES, FAILED_KEY, MISSING_KEY, ranks_text
+from gridcomm._wire import CHUNK_BYTES, FAILED_KEY, MISSING_KEY, ranks_text, shown_generation
 
 log = logging.getLogger(__name__)
 
 #: Margin kept between the server's answer and the caller's gRPC deadline, so a timed-out wait
 #: reaches the caller as our structured answer rather than as the transport's DEADLINE_EXCEEDED.
 ANSWER_MARGIN_S = 0.25
-#: Longest status message sent (characters); see details().
-MAX_DETAILS = 400
 #: JoinRequest.recovery -> the state's recovery mode.
 _MODES: dict[int, str | None] = {pb.RECOVERY_NONE: None, pb.RECOVERY_REBUILD: REBUILD, pb.RECOVERY_SHRINK: SHRINK}
-
-
-class Undecodable:
-    """Stands for a request body that is not a valid message of its type."""
-
-
-UNDECODABLE = Undecodable()
-
-
-class Abort(Exception):
-    """Raised inside an operation to answer with a status (and trailing metadata)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.metadata = metadata
-
-
-def details(message: str) -> str:
-    """Status details short enough that, percent-encoded (up to 9 bytes a character), they stay
-    well inside gRPC's 8 KiB metadata budget beside our trailers."""
-    return message if len(message) <= MAX_DETAILS else message[: MAX_DETAILS - 15] + "... (truncated)"
-
-
-def status_of(name: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
-    """The status a refused or failed operation answers with: code, details, trailing metadata."""
-    if isinstance(exc, Abort):
-        return exc.code, details(exc.message), exc.metadata
-    if isinstance(exc, StateError):
-        metadata = ((FAILED_KEY, str(exc.failed_rank)),) if exc.failed_rank is not None else ()
-        return getattr(grpc.StatusCode, exc.code), details(exc.message), metadata
-    log.exception("coordinator: %s failed on an unexpected error", name, exc_info=exc)
-    return grpc.StatusCode.INTERNAL, details(f"{name} failed inside the coordinator: {exc!r}"), ()
-
-
-async def refuse(context: grpc.aio.ServicerContext, name: str, exc: Exception) -> None:
-    """Answers a refused or failed call with a status and a readable message; always raises."""
-    if isinstance(exc, grpc.aio.AbortError):
-        raise exc
-    code, text, metadata = status_of(name, exc)
-    await context.abort(code, text, trailing_metadata=metadata)
-
-
-def _bounded(ranks: list[int], shown: int = 16) -> str:
-    if len(ranks) <= shown:
-        return str(ranks)
-    return f"{ranks[:shown]}... ({len(ranks)} in all)"
-
-
-class RefusalLog:
-    """Logs refused calls at a bounded rate: the first of each interval as it comes, the rest as
-    one count when the interval ends. Why: one client without the token made ~3,000 log lines a
-    second, a disk and a log pipeline an unauthenticated caller could fill."""
-
-    INTERVAL_S = 10.0
-
-    def __init__(self) -> None:
-        self._until = 0.0
-        self._count = 0
-        self._peers: set[str] = set()
-        #: Refused calls since start (what an operator's metrics would read).
-        self.total = 0
-
-    def note(self, method: str, peer: str, how: str) -> None:
-        self.total += 1
-        now = time.monotonic()
-        if now >= self._until:
-            self._flush()
-            self._until = now + self.INTERVAL_S
-            log.warning("coordinator: refused %s from %s: %s token (further refusals in the next %g s are counted, "
-                        "not logged one by one)", method, peer, how, self.INTERVAL_S)
-            try:
-                asyncio.get_running_loop().call_later(self.INTERVAL_S, self._flush)
-            except RuntimeError:
-                pass  # no loop (a unit test): the next refusal flushes
-            return
-        self._count += 1
-        if len(self._peers) < 8:
-            self._peers.add(peer)
-
-    def _flush(self) -> None:
-        if self._count:
-            log.warning("coordinator: refused %d more calls without a valid token in the last %g s (from %s%s)",
-                        self._count, self.INTERVAL_S, ", ".join(sorted(self._peers)),
-                        ", ..." if len(self._peers) >= 8 else "")
-        self._count = 0
-        self._peers = set()
 
 
 def _settle(fut: asyncio.Future[None]) -> None:
@@ -129,46 +39,27 @@ def _settle(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-def _gone(state: JobState, member: Member) -> bool:
-    """Whether ``member`` no longer holds its rank as a live process (failed, left, replaced)."""
-    return member.state is not MemberState.JOINED or not state.is_current(member)
-
-
-def _member_pb(member: Member) -> pb.Member:
-    return pb.Member(
-        rank=member.rank,
-        hostname=member.hostname,
-        incarnation=member.incarnation,
-        state=int(member.state),  # type: ignore[arg-type]
-        joined_at_unix_s=time.time() - (time.monotonic() - member.joined_at),
-    )
-
-
-def _failure_pb(failure: Any) -> pb.Failure:
-    return pb.Failure(
-        rank=failure.rank,
-        reason=failure.reason,
-        at_unix_s=time.time() - (time.monotonic() - failure.at),
-        reported_by=failure.reported_by,
-    )
-
-
 class Owner(Protocol):
     """What the operations read of the server that runs them (gridcomm._coordinator.server.Coordinator)."""
 
     state: JobState
-    _token: str | None
     heartbeat_timeout_s: float
     max_wait_s: float
     connection_grace_s: float
-    _closing: bool
-    _all_left: threading.Event
     metrics: CoordinatorMetrics
+
+    @property
+    def token(self) -> str | None: ...
+
+    @property
+    def closing(self) -> bool: ...
 
     @property
     def serving(self) -> bool: ...
 
-    def _set_serving(self, serving: bool) -> None: ...
+    def set_serving(self, serving: bool) -> None: ...
+
+    def note_all_left(self) -> None: ...
 
 
 class Servicer:
@@ -179,9 +70,18 @@ class Servicer:
         self._state = owner.state
         self._loop = asyncio.get_running_loop()
         self._waiters: dict[tuple[Any, ...], list[asyncio.Future[None]]] = {}
-        self._token = owner._token.encode() if owner._token is not None else None
+        self._token = owner.token.encode() if owner.token is not None else None
         self.refusals = RefusalLog()
         self.metrics = owner.metrics
+
+    @property
+    def world_size(self) -> int:
+        return self._state.world_size
+
+    @property
+    def closing(self) -> bool:
+        """Whether the coordinator is stopping (a Session stream it cuts has nobody to answer)."""
+        return self._owner.closing
 
     # ------------------------------------------------------------------ plumbing
     def _now(self) -> float:
@@ -228,7 +128,7 @@ class Servicer:
         coordinator that is shutting down."""
         if fail_fast:
             self._state.check_not_failed(what)
-        if self._owner._closing:
+        if self._owner.closing:
             raise Abort(grpc.StatusCode.UNAVAILABLE, f"{what}: the coordinator is shutting down.")
 
     async def _wait(self, key: tuple[Any, ...], done: Callable[[], bool], wait_s: float, deadline: float | None,
@@ -242,7 +142,7 @@ class Servicer:
         if deadline is not None and deadline < end:
             end = deadline
         if member is not None:
-            member.active_calls += 1
+            self._state.call_started(member)
         try:
             while True:
                 # Why done() first: what already completed (a message delivered, a barrier passed)
@@ -273,24 +173,23 @@ class Servicer:
                             del self._waiters[key]
         finally:
             if member is not None:
-                member.active_calls -= 1
-                member.last_seen = self._now()
+                self._state.call_ended(member, self._now())
 
     def _caller(self, caller: pb.Caller, what: str, now: float | None = None) -> Member:
         member = self._state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, what)
-        member.last_seen = self._now() if now is None else now
+        self._state.seen(member, self._now() if now is None else now)
         return member
 
     def _on_failure(self) -> None:
         self.metrics.rank_failed()  # one call per new failure
-        self._owner._set_serving(False)
+        self._owner.set_serving(False)
         self.wake_all()
         self._note_departures()
 
     def _note_departures(self) -> None:
         """Lets a stop() that waits for every rank to leave (or fail) go on."""
         if self._state.all_left():
-            self._owner._all_left.set()
+            self._owner.note_all_left()
 
     def _fail(self, rank: int, reason: str) -> None:
         failure = self._state.fail(rank, reason, -1, self._now())
@@ -308,24 +207,24 @@ class Servicer:
         mode = _MODES[request.recovery]
         base = request.generation
         completed = await self._enter(request, base, mode, deadline)
-        if mode == SHRINK and not completed and state.recovery is not None and state.recovery.replacements:
+        if not completed and state.refuses_waiting_replacements():
             self._wake(("join",))  # replacements that wait learn that they are not admitted
         if completed:
             if state.generation == 1:
-                log.info("coordinator: all %d ranks joined; generation 1", state.world_size)
+                log.info("coordinator: all %d ranks joined; generation %d", state.world_size,
+                         shown_generation(state.generation))
             else:
-                log.warning("coordinator: generation %d formed by %s(): ranks %s", state.generation,
-                            state.recovered_from[1], _bounded(list(state.active)))
+                log.warning("coordinator: generation %d formed by %s(): ranks %s", shown_generation(state.generation),
+                            state.recovered_from[1], bounded(list(state.active)))
                 self.metrics.recovered(state.generation)
-                self._owner._set_serving(True)
+                self._owner.set_serving(True)
             self._wake(("join",))
-        member = state.members.get(request.rank)
-        if state.complete:
-            if not base and member is not None and member.incarnation == request.incarnation:
-                return self._joined()  # a member's join (the one that completed it, or a re-poll)
-            # A new process admitted into a running job, or a survivor: waits for the next generation.
+        answer = state.join_answer(request.rank, request.incarnation, base)
+        if answer == "joined":
+            return self._joined()
+        if answer == "recovery":
             return await self._await_recovery(request, base, deadline)
-        assert member is not None
+        member = state.members[request.rank]
         ok = await self._wait(("join",), lambda: state.complete, request.wait_s, deadline,
                               f"join of rank {request.rank}", member=member)
         if not state.is_current(member):
@@ -333,7 +232,7 @@ class Servicer:
         if not ok:
             missing = state.missing_join()
             raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"{len(missing)} of {state.world_size} ranks have not joined: {_bounded(missing)}"
+                        f"{len(missing)} of {state.world_size} ranks have not joined: {bounded(missing)}"
                         + self.metrics.refusal_note(missing),  # a missing rank that was refused says why
                         ((MISSING_KEY, ranks_text(missing)),))
         return self._joined()
@@ -371,12 +270,9 @@ class Servicer:
         old = state.members[request.rank]
         since = self._now()
 
-        def settled() -> bool:
-            return _gone(state, old) or (old.last_heartbeat is not None and old.last_heartbeat > since)
-
-        if await self._wait(("beat", old.rank), settled, request.wait_s, deadline, f"join of rank {request.rank}",
-                            fail_fast=False):
-            return _gone(state, old)  # else it heartbeat: alive, and the caller raises the refusal
+        if await self._wait(("beat", old.rank), lambda: state.predecessor_settled(old, since), request.wait_s,
+                            deadline, f"join of rank {request.rank}", fail_fast=False):
+            return state.gone(old)  # else it heartbeat: alive, and the caller raises the refusal
         raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"rank {request.rank}'s previous process (incarnation {old.incarnation:#x} on {old.hostname or '?'}) "
                     f"has not been heard from since this one came; waiting for the coordinator to mark it failed "
@@ -388,17 +284,13 @@ class Servicer:
         state = self._state
         rank, incarnation = request.rank, request.incarnation
         base = base or state.generation
-        recovery = state.recovery
-        waiting = state.members.get(rank)
-        if recovery is not None and rank in recovery.replacements:
-            waiting = recovery.replacements[rank]
         ok = await self._wait(("join",), lambda: state.recovery_check(rank, incarnation, base), request.wait_s,
-                              deadline, f"recovery of generation {base}", fail_fast=False,
-                              member=waiting if waiting is not None and waiting.incarnation == incarnation else None)
+                              deadline, f"recovery of generation {shown_generation(base)}", fail_fast=False,
+                              member=state.recovery_waiter(rank, incarnation))
         if not ok:
             missing = state.missing_join()
             raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"the recovery of generation {base} waits for {len(missing)} rank(s): {_bounded(missing)} "
+                        f"the recovery of generation {shown_generation(base)} waits for {len(missing)} rank(s): {bounded(missing)} "
                         "(survivors that have not called it, or failed ranks without a replacement)",
                         ((MISSING_KEY, ranks_text(missing)),))
         return self._joined()
@@ -472,7 +364,7 @@ class Servicer:
             missing = state.barrier_missing(name, seq)
             raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"barrier {quote(name)} #{seq}: {len(missing)} of {state.world_size} ranks have not arrived: "
-                        f"{_bounded(missing)}", ((MISSING_KEY, ranks_text(missing)),))
+                        f"{bounded(missing)}", ((MISSING_KEY, ranks_text(missing)),))
         return pb.BarrierResponse(seq=seq)
 
     async def heartbeat(self, request: pb.HeartbeatRequest, deadline: float | None) -> pb.HeartbeatResponse:
@@ -492,7 +384,7 @@ class Servicer:
             # went away (or it merely re-dials). Give it a moment to heartbeat again, then fail it.
             self._loop.call_later(self._owner.connection_grace_s, self._check_lost, member, beat)
             raise
-        return pb.HeartbeatResponse(failures=[_failure_pb(f) for f in state.failures], generation=state.generation)
+        return pb.HeartbeatResponse(failures=[failure_pb(f) for f in state.failures], generation=state.generation)
 
     def _check_lost(self, member: Member, beat: float | None) -> None:
         if self._state.lost_connection(member, beat):
@@ -503,7 +395,7 @@ class Servicer:
         """Marks failed every heartbeating rank silent for longer than the heartbeat timeout."""
         timeout = self._owner.heartbeat_timeout_s
         period = max(0.05, min(1.0, timeout / 4))
-        while not self._owner._closing:
+        while not self._owner.closing:
             await asyncio.sleep(period)
             for rank in self._state.expired(self._now(), timeout):
                 member = self._state.members[rank]
@@ -537,13 +429,13 @@ class Servicer:
             job_id=state.job_id,
             world_size=state.world_size,
             generation=state.generation,
-            members=[_member_pb(m) for m in sorted(state.members.values(), key=lambda m: m.rank)],
+            members=[member_pb(m) for m in sorted(state.members.values(), key=lambda m: m.rank)],
             missing_ranks=state.missing_join(),
             barriers=[
                 pb.BarrierStatus(name=n, seq=s, arrived_ranks=a, missing_ranks=m, waiting_s=w)
                 for n, s, a, m, w in state.pending_barriers(now)
             ],
-            failures=[_failure_pb(f) for f in state.failures],
+            failures=[failure_pb(f) for f in state.failures],
             uptime_s=now - state.started_at,
             serving=self._owner.serving,
         )

@@ -13,7 +13,8 @@ from typing import Any
 
 import grpc
 
-from gridcomm._coordinator.servicer import UNDECODABLE, Abort, Servicer, refuse, status_of
+from gridcomm._coordinator.answers import UNDECODABLE, Abort, refuse, status_of
+from gridcomm._coordinator.servicer import Servicer
 from gridcomm._proto import coordinator_pb2 as pb
 
 #: What a Session operation runs: the operation of its unary RPC.
@@ -39,7 +40,7 @@ class ServerSession:
         self._tasks: set[asyncio.Task[None]] = set()
         # Why a bound: a client that sends operations that never complete (gets of keys nobody
         # sets) must not grow the coordinator without limit.
-        self._max_ops = max(1024, 2 * servicer._state.world_size + 64)
+        self._max_ops = max(1024, 2 * servicer.world_size + 64)
 
     async def serve(self) -> None:
         writer = asyncio.ensure_future(self._write())
@@ -60,7 +61,7 @@ class ServerSession:
             self._ready.set()
             await writer
         except Exception as exc:  # noqa: BLE001 - refused with a status, never a crash
-            if self._servicer._owner._closing:
+            if self._servicer.closing:
                 return  # the server stopped under an open stream: nobody to tell
             # Why first: a reply still being written makes the abort fail (too many operations
             # on the call) and leaves the stream hanging; let that write end, drop the rest.

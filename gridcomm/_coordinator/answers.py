@@ -1,0 +1,131 @@
+"""How the coordinator answers in gRPC's terms: refusals as statuses (code, readable details,
+trailers), the state's members and failures as messages, and the bounded log of refused tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import grpc
+
+from gridcomm._coordinator.state import Member, StateError
+from gridcomm._proto import coordinator_pb2 as pb
+from gridcomm._wire import FAILED_KEY, RESTARTED_KEY
+
+log = logging.getLogger(__name__)
+
+#: Longest status message sent (characters); see details().
+MAX_DETAILS = 400
+
+
+class Undecodable:
+    """Stands for a request body that is not a valid message of its type."""
+
+
+UNDECODABLE = Undecodable()
+
+
+class Abort(Exception):
+    """Raised inside an operation to answer with a status (and trailing metadata)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.metadata = metadata
+
+
+def details(message: str) -> str:
+    """Status details short enough that, percent-encoded (up to 9 bytes a character), they stay
+    well inside gRPC's 8 KiB metadata budget beside our trailers."""
+    return message if len(message) <= MAX_DETAILS else message[: MAX_DETAILS - 15] + "... (truncated)"
+
+
+def status_of(name: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """The status a refused or failed operation answers with: code, details, trailing metadata."""
+    if isinstance(exc, Abort):
+        return exc.code, details(exc.message), exc.metadata
+    if isinstance(exc, StateError):
+        metadata: tuple[tuple[str, str], ...] = ()
+        if exc.failed_rank is not None:
+            metadata = ((FAILED_KEY, str(exc.failed_rank)),)
+        elif exc.restarted:
+            metadata = ((RESTARTED_KEY, "1"),)
+        return getattr(grpc.StatusCode, exc.code), details(exc.message), metadata
+    log.exception("coordinator: %s failed on an unexpected error", name, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, details(f"{name} failed inside the coordinator: {exc!r}"), ()
+
+
+async def refuse(context: grpc.aio.ServicerContext, name: str, exc: Exception) -> None:
+    """Answers a refused or failed call with a status and a readable message; always raises."""
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    code, text, metadata = status_of(name, exc)
+    await context.abort(code, text, trailing_metadata=metadata)
+
+
+def bounded(ranks: list[int], shown: int = 16) -> str:
+    if len(ranks) <= shown:
+        return str(ranks)
+    return f"{ranks[:shown]}... ({len(ranks)} in all)"
+
+
+class RefusalLog:
+    """Logs refused calls at a bounded rate: the first of each interval as it comes, the rest as
+    one count when the interval ends. Why: one client without the token made ~3,000 log lines a
+    second, a disk and a log pipeline an unauthenticated caller could fill."""
+
+    INTERVAL_S = 10.0
+
+    def __init__(self) -> None:
+        self._until = 0.0
+        self._count = 0
+        self._peers: set[str] = set()
+        #: Refused calls since start (what an operator's metrics would read).
+        self.total = 0
+
+    def note(self, method: str, peer: str, how: str) -> None:
+        self.total += 1
+        now = time.monotonic()
+        if now >= self._until:
+            self._flush()
+            self._until = now + self.INTERVAL_S
+            log.warning("coordinator: refused %s from %s: %s token (further refusals in the next %g s are counted, "
+                        "not logged one by one)", method, peer, how, self.INTERVAL_S)
+            try:
+                asyncio.get_running_loop().call_later(self.INTERVAL_S, self._flush)
+            except RuntimeError:
+                pass  # no loop (a unit test): the next refusal flushes
+            return
+        self._count += 1
+        if len(self._peers) < 8:
+            self._peers.add(peer)
+
+    def _flush(self) -> None:
+        if self._count:
+            log.warning("coordinator: refused %d more calls without a valid token in the last %g s (from %s%s)",
+                        self._count, self.INTERVAL_S, ", ".join(sorted(self._peers)),
+                        ", ..." if len(self._peers) >= 8 else "")
+        self._count = 0
+        self._peers = set()
+
+
+def member_pb(member: Member) -> pb.Member:
+    return pb.Member(
+        rank=member.rank,
+        hostname=member.hostname,
+        incarnation=member.incarnation,
+        state=int(member.state),  # type: ignore[arg-type]
+        joined_at_unix_s=time.time() - (time.monotonic() - member.joined_at),
+    )
+
+
+def failure_pb(failure: Any) -> pb.Failure:
+    return pb.Failure(
+        rank=failure.rank,
+        reason=failure.reason,
+        at_unix_s=time.time() - (time.monotonic() - failure.at),
+        reported_by=failure.reported_by,
+    )

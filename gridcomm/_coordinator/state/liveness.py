@@ -1,0 +1,94 @@
+"""Leaving, failing and liveness: which ranks are gone, and which show no sign of life."""
+
+from __future__ import annotations
+
+from gridcomm._coordinator.state.common import Failure, Member, MemberState, StateBase
+
+
+class Liveness(StateBase):
+    """Clean leaves, failures (the first report wins) and heartbeat expiry."""
+
+    def is_current(self, member: Member) -> bool:
+        """Whether ``member`` still holds its rank (a newer process may have replaced it while it
+        waited to join)."""
+        return self.members.get(member.rank) is member
+
+    def gone(self, member: Member) -> bool:
+        """Whether ``member`` no longer holds its rank as a live process (failed, left, replaced)."""
+        return member.state is not MemberState.JOINED or not self.is_current(member)
+
+    def predecessor_settled(self, old: Member, since: float) -> bool:
+        """Whether a new process waiting for ``old``'s rank may stop waiting: ``old`` is gone (the
+        join is tried again) or it heartbeat after ``since``, when the new one came (it is alive:
+        the new one is a second process for the rank, and is refused)."""
+        return self.gone(old) or (old.last_heartbeat is not None and old.last_heartbeat > since)
+
+    def seen(self, member: Member, now: float) -> None:
+        """A call of ``member`` arrived or ended: it showed a sign of life."""
+        member.last_seen = now
+
+    def call_started(self, member: Member) -> None:
+        """``member`` waits in a call: while it does, it is not taken for a process that died while
+        joining (see Limits.stale_join_s)."""
+        member.active_calls += 1
+
+    def call_ended(self, member: Member, now: float) -> None:
+        member.active_calls -= 1
+        member.last_seen = now
+
+    def lost_connection(self, member: Member, beat: float | None) -> bool:
+        """Whether a rank whose heartbeat call dropped at ``beat`` (its last heartbeat then) and
+        sent none since is lost: still joined, still the same process, no heartbeat after."""
+        return member.state is MemberState.JOINED and member.last_heartbeat == beat and self.is_current(member)
+
+    def leave(self, rank: int, now: float) -> None:
+        member = self.members[rank]
+        if member.state is MemberState.JOINED:
+            member.state = MemberState.LEFT
+            member.last_seen = now
+            self.left_count += 1
+        self._drop_pieces(rank)  # O(1) while no value is in flight
+
+    def all_left(self) -> bool:
+        """True when every rank has left or failed (rank 0 may stop serving)."""
+        return self.complete and all(m.state is not MemberState.JOINED for m in self.members.values())
+
+    def fail(self, rank: int, reason: str, reported_by: int, now: float) -> Failure | None:
+        """Marks ``rank`` failed; returns the failure if it is new (the first report wins)."""
+        if rank in self._failed:
+            return None
+        member = self.members.get(rank)
+        if member is not None and member.state is MemberState.LEFT:
+            # Why: a clean leave followed by a lost connection is not a failure.
+            return None
+        failure = Failure(rank, reason[:2048], now, reported_by)
+        self._failed[rank] = failure
+        self._drop_pieces(rank)  # O(1) while no value is in flight
+        self.failures.append(failure)
+        if member is not None:
+            member.state = MemberState.FAILED
+        return failure
+
+    def first_failure(self) -> Failure | None:
+        return self.failures[0] if self.failures else None
+
+    def heartbeat(self, rank: int, now: float) -> None:
+        member = self.members[rank]
+        member.last_heartbeat = now
+        member.last_seen = now
+
+    def expired(self, now: float, timeout_s: float) -> list[int]:
+        """Ranks that have not left or failed and show no sign of life within timeout_s:
+
+        - a rank that heartbeats, silent for timeout_s (calls in flight do not count: a silently
+          partitioned rank's barrier call stays open on this side until TCP gives up);
+        - once the job uses heartbeats, a rank that never sent one within timeout_s after the
+          rendezvous completed (it died while joining, so nothing else would ever notice).
+        Jobs of bare clients (no heartbeats at all) are never expired.
+        """
+        joined = [m for m in self.members.values() if m.state is MemberState.JOINED]
+        out = [m.rank for m in joined if m.last_heartbeat is not None and now - m.last_heartbeat > timeout_s]
+        if self.completed_at is not None and now - self.completed_at > timeout_s and \
+                any(m.last_heartbeat is not None for m in self.members.values()):
+            out.extend(m.rank for m in joined if m.last_heartbeat is None and m.active_calls == 0)
+        return sorted(out)
