@@ -33,7 +33,7 @@ from tests.support.procs import ROOT
 
 DEPLOY = os.path.join(ROOT, "deploy")
 K8S = os.path.join(DEPLOY, "k8s")
-CRD = os.path.join(ROOT, "..", "shared", "k8s", "jobset-crd.yaml")
+CRD = os.path.join(ROOT, "tests", "data", "jobset-crd.yaml")  # see tests/data/README.md
 NAMESPACE_DOMAIN = "team-a.svc.cluster.local"
 
 
@@ -250,8 +250,6 @@ def _closed(schema: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def jobset_validator() -> jsonschema.protocols.Validator:
-    if not os.path.exists(CRD):
-        pytest.skip(f"the JobSet CRD is not at {os.path.normpath(CRD)} (it lives in the shared folder beside the repo)")
     with open(CRD, encoding="utf-8") as handle:
         crd = yaml.safe_load(handle)
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]

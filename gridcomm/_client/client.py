@@ -225,7 +225,7 @@ class CoordinatorClient:
                 return attempt(wait_s, wait_s + _CALL_SLACK_S)
             except RendezvousTimeout as exc:
                 timeout = exc
-            answered = answered or bool(getattr(timeout, "from_server", False))
+            answered = answered or timeout.from_server
             if deadline - time.monotonic() > 0.05:
                 speaker.slice_ended(timeout, answered)
                 continue

@@ -257,7 +257,7 @@ class Servicer:
             except StateError as exc:
                 if exc.predecessor_alive and await self._predecessor_gone(request, deadline):
                     continue
-                # Kept for status and the waiting ranks' messages, and logged (issue 18).
+                # Kept for status and the waiting ranks' messages, and logged (an operator reads who was refused and why).
                 self.metrics.join_refused(request.rank, request.hostname, exc.code, exc.message)
                 raise
 
