@@ -112,6 +112,8 @@ class Link:
         self._held = False
         #: The peer said goodbye: nothing more will come from it.
         self._gone = False
+        #: Why sending to the peer failed, when only credits were owed (see _write).
+        self._unwritable: str | None = None
         self._out_seq = 0
         self._in_seq = 0
         self.closed = False
@@ -211,8 +213,17 @@ class Link:
         self._wq.append(buf)
         self._wq_bytes += len(buf)
 
+    def _only_credits_queued(self) -> bool:
+        return not self._out and all(len(buf) == _FRAME.size and buf[0] == _CREDIT for buf in self._wq)
+
     def _write(self) -> bool:
         moved = False
+        if self._unwritable is not None:
+            if self._out:
+                raise _Lost(self, self._unwritable)
+            self._wq.clear()
+            self._wq_bytes = 0
+            return False
         while True:
             while self._wq_bytes < _BATCH_BYTES and self._frame():
                 moved = True
@@ -228,7 +239,17 @@ class Link:
                 self._want_write = True
                 return moved
             except OSError as exc:
-                raise _Lost(self, f"sending failed ({exc.strerror or exc})") from exc
+                if not self._only_credits_queued():
+                    raise _Lost(self, f"sending failed ({exc.strerror or exc})") from exc
+                # Why not an error yet: a peer that got all it needed from this rank stops (goodbye,
+                # then close) while this rank still owes it credits for slots it has read. Whether
+                # this rank is harmed is decided by what it still reads: the peer's last frames and
+                # its goodbye, sent before the close, or a broken connection.
+                self._unwritable = f"sending failed ({exc.strerror or exc})"
+                self._want_write = False
+                self._wq.clear()
+                self._wq_bytes = 0
+                return moved
             self._want_write = False
             moved = True
             self._wq_bytes -= sent
