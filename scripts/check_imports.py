@@ -27,8 +27,8 @@ FORBIDDEN: dict[str, tuple[set[str], str]] = {
                 "a client never loads the coordinator (a rank of an external coordinator runs none)"),
     "_coordinator": ({"_client", "_backends", "_communicator", "_cli"},
                      "the coordinator knows only the wire, never a client or a backend"),
-    "_backends": ({"_coordinator", "_proto", "_communicator", "_cli"},
-                  "backends move data; the control plane reaches them through the communicator"),
+    "_backends": ({"_coordinator", "_client", "_proto", "_communicator", "_cli"},
+                  "backends move data; they see the control plane only as base.ControlPlane"),
     "_communicator": ({"_cli"}, "nothing imports the command line"),
     "__init__": ({"_cli"}, "nothing imports the command line"),
 }

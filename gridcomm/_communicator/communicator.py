@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from gridcomm._backends.base import Backend
 from gridcomm._backends.host.plane import PlaneConfig
 from gridcomm._backends.validate import Hooks
 from gridcomm._client.client import SHORT_CALL_S, CoordinatorClient
@@ -41,7 +42,7 @@ COLLECTIVES = ("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gathe
 def build_backend(kind: str, client: CoordinatorClient, name: str, rank: int, size: int, hooks: Hooks, *,
                   plane: PlaneConfig | None = None, participants: Sequence[int] = (),
                   failed: Callable[[], BaseException | None] = lambda: None, timeout_s: float | None = None,
-                  nccl: NcclSettings | None = None) -> Any:
+                  nccl: NcclSettings | None = None) -> Backend:
     """Creates this rank's backend for communicator ``name``; for NCCL, its rank 0 makes the unique
     ID (the NCCL bootstrap root lives in the creating process) and the others fetch it. The host
     backend publishes its data-plane address (``plane``) and waits, with the ``participants``

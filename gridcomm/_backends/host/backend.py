@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 
 from gridcomm._backends import validate as _validate
+from gridcomm._backends.base import ControlPlane
 from gridcomm._backends.host import plane as _p2p
 from gridcomm._backends.host.frames import OPS
 from gridcomm._backends.validate import NO_HOOKS, Hooks
-from gridcomm._client.client import CoordinatorClient
 from gridcomm._errors import GridcommError, coordinator_lost
 
 _REDUCE: dict[str, Callable[..., Any]] = {
@@ -97,7 +97,7 @@ class HostBackend:
 
     kind = "host"
 
-    def __init__(self, client: CoordinatorClient, name: str, rank: int, world_size: int, *,
+    def __init__(self, client: ControlPlane, name: str, rank: int, world_size: int, *,
                  config: _p2p.PlaneConfig, participants: Sequence[int] = (), hooks: Hooks = NO_HOOKS,
                  timeout_s: float | None = None) -> None:
         """``timeout_s`` bounds the creation (publishing this rank's card and the barrier that

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
+from gridcomm._backends.base import ControlPlane
 from gridcomm._backends.nccl.backend import NcclBackend
 from gridcomm._backends.nccl.engines import new_unique_id
 from gridcomm._backends.nccl.loader import engine
@@ -33,7 +33,7 @@ def id_key(name: str, index: int) -> str:
     return f"{name}/nccl-unique-id" if index == 0 else f"{name}/nccl-unique-id/{index}"
 
 
-def exchange_ids(client: Any, name: str, rank: int, roots: Sequence[int],
+def exchange_ids(client: ControlPlane, name: str, rank: int, roots: Sequence[int],
                  make_id: Callable[[], bytes], timeout_s: float) -> list[bytes]:
     """Every unique ID of communicator ``name``, root order. A root rank makes its own ID (the
     bootstrap root lives in the creating process) and ``set``s it; every rank ``get``s the others."""
@@ -52,11 +52,11 @@ def exchange_ids(client: Any, name: str, rank: int, roots: Sequence[int],
     return ids
 
 
-def connect(client: Any, name: str, rank: int, size: int, *, hooks: Hooks = NO_HOOKS,
+def connect(client: ControlPlane, name: str, rank: int, size: int, *, hooks: Hooks = NO_HOOKS,
             failed: Callable[[], BaseException | None] = lambda: None,
             timeout_s: float | None = None, settings: NcclSettings | None = None) -> NcclBackend:
     """This rank's NCCL communicator ``name`` of ``size`` ranks. The unique IDs travel through
-    ``client`` (a CoordinatorClient: ``set``/``get``): one, made by rank 0, for worlds of up to
+    ``client`` (the control plane: ``set``/``get``): one, made by rank 0, for worlds of up to
     GRIDCOMM_RANKS_PER_ROOT ranks; else one per root (see :func:`root_ranks`; nccl4py only). The
     whole exchange and NCCL init are bounded by ``timeout_s`` (default ``client.timeout_s``);
     ``failed()`` returns a peer's failure seen by this rank's watcher, or None: with nccl4py, init
