@@ -7,8 +7,25 @@ testable and loadable without gRPC.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+    """What a backend calls back into its communicator, given when the backend is made (never
+    assigned afterwards). ``on_invalid``: a collective was called with invalid arguments (the
+    communicator reports this rank failed); ``on_broken``: the host data plane broke on its own;
+    ``coordinator_rank``: the rank hosting the coordinator, so losing it is that rank's failure."""
+
+    on_invalid: Callable[[Exception], None] | None = None
+    on_broken: Callable[[BaseException], None] | None = None
+    coordinator_rank: int | None = None
+
+
+#: A backend made outside a communicator (tests, probes) calls nothing back.
+NO_HOOKS = Hooks()
 
 
 class ControlPlane(Protocol):

@@ -5,7 +5,6 @@ imports neither. Each error names the method, the argument, the value and the ru
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -13,22 +12,6 @@ from typing import Any, TypeVar
 from gridcomm._errors import ArgumentError
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-
-@dataclasses.dataclass(frozen=True)
-class Hooks:
-    """What a backend calls back into its communicator, given when the backend is made (never
-    assigned afterwards). ``on_invalid``: a collective was called with invalid arguments (the
-    communicator reports this rank failed); ``on_broken``: the host data plane broke on its own;
-    ``coordinator_rank``: the rank hosting the coordinator, so losing it is that rank's failure."""
-
-    on_invalid: Callable[[Exception], None] | None = None
-    on_broken: Callable[[BaseException], None] | None = None
-    coordinator_rank: int | None = None
-
-
-#: A backend made outside a communicator (tests, probes) calls nothing back.
-NO_HOOKS = Hooks()
 
 
 def reports_invalid(method: _F) -> _F:

@@ -13,9 +13,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from gridcomm._backends.base import Backend
+from gridcomm._backends.base import Backend, Hooks
 from gridcomm._backends.host.plane import PlaneConfig
-from gridcomm._backends.validate import Hooks
 from gridcomm._client.client import SHORT_CALL_S, CoordinatorClient
 from gridcomm._config.settings import NcclSettings
 from gridcomm._errors import (

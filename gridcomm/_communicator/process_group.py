@@ -8,8 +8,8 @@ import time
 from typing import Any
 
 from gridcomm import _config
+from gridcomm._backends.base import Hooks
 from gridcomm._backends.host.plane import PlaneConfig, local_address
-from gridcomm._backends.validate import Hooks
 from gridcomm._client.client import CoordinatorClient
 from gridcomm._communicator.communicator import Communicator, build_backend
 from gridcomm._config.settings import CoordinatorSettings, Settings

@@ -36,10 +36,9 @@ from typing import Any
 import numpy as np
 
 from gridcomm._backends import validate as _validate
-from gridcomm._backends.base import ControlPlane
+from gridcomm._backends.base import NO_HOOKS, ControlPlane, Hooks
 from gridcomm._backends.host import plane as _p2p
 from gridcomm._backends.host.frames import OPS
-from gridcomm._backends.validate import NO_HOOKS, Hooks
 from gridcomm._errors import GridcommError, coordinator_lost
 
 _REDUCE: dict[str, Callable[..., Any]] = {

@@ -34,9 +34,9 @@ from typing import Any
 
 from gridcomm import _config
 from gridcomm._backends import validate as _validate
+from gridcomm._backends.base import NO_HOOKS, Hooks
 from gridcomm._backends.nccl.engines import _TYPE_NAMES, _engine_for
 from gridcomm._backends.nccl.loader import _load_cupy, engine
-from gridcomm._backends.validate import NO_HOOKS, Hooks
 from gridcomm._config.settings import NcclSettings
 from gridcomm._errors import ArgumentError, GridcommError
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from gridcomm._backends.base import ControlPlane
+from gridcomm._backends.base import NO_HOOKS, ControlPlane, Hooks
 from gridcomm._backends.nccl.backend import NcclBackend
 from gridcomm._backends.nccl.engines import new_unique_id
 from gridcomm._backends.nccl.loader import engine
-from gridcomm._backends.validate import NO_HOOKS, Hooks
 from gridcomm._config.settings import NcclSettings
 from gridcomm._errors import ConfigError
 
