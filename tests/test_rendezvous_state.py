@@ -490,3 +490,15 @@ def test_a_shrink_refuses_the_replacements_that_wait():
     assert not state.refuses_waiting_replacements()  # nobody chose yet
     state.join("job", 0, 3, 100, "h0", now=12.0, base=1, mode="shrink")
     assert state.refuses_waiting_replacements()
+
+
+def test_a_refusal_before_the_first_generation_says_none_has_formed():
+    # A rank that joined (the rendezvous still waits for rank 1) but names generation 0 (wire 1),
+    # as a process of a job whose coordinator restarted would: no "generation -1" in the text.
+    state = JobState(2, "job", now=0.0)
+    assert state.join("job", 0, 2, 100, "h0", now=0.0) is False
+    with pytest.raises(StateError) as refused:
+        state.check_caller("job", 0, 100, 1, "set")
+    assert refused.value.code == FAILED_PRECONDITION
+    assert "has not formed its first generation yet" in refused.value.message
+    assert "-1" not in refused.value.message

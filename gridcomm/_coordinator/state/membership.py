@@ -265,7 +265,7 @@ class JobState(Liveness, Barriers, KeyValue):
         if base != self.generation:
             raise StateError(
                 FAILED_PRECONDITION,
-                f"rank {rank} asked to recover generation {_shown(base)}, but the job is at generation {_shown(self.generation)}.",
+                f"rank {rank} asked to recover generation {_shown(base)}, but {self._where()}.",
             )
         if member.state is MemberState.FAILED:
             raise StateError(
@@ -407,8 +407,7 @@ class JobState(Liveness, Barriers, KeyValue):
         if generation != self.generation and not (any_generation and 0 < generation < self.generation):
             raise StateError(
                 FAILED_PRECONDITION,
-                f"rank {rank} called {what} for generation {_shown(generation)}, but the job is at generation "
-                f"{_shown(self.generation)}; rejoin first.",
+                f"rank {rank} called {what} for generation {_shown(generation)}, but {self._where()}; rejoin first.",
             )
         if member.state is MemberState.LEFT:
             raise StateError(FAILED_PRECONDITION, f"rank {rank} called {what} after it left the job.")
@@ -437,3 +436,9 @@ class JobState(Liveness, Barriers, KeyValue):
         if member is None or member.state is not MemberState.LEFT or member.incarnation != incarnation:
             self.check_caller(job_id, rank, incarnation, generation, "leave")
         self.leave(rank, now)
+
+    def _where(self) -> str:
+        """Where the job is, for refusals that name a generation (the wire's 0 is none yet)."""
+        if self.generation == 0:
+            return "the job has not formed its first generation yet (the rendezvous is still waiting)"
+        return f"the job is at generation {_shown(self.generation)}"
