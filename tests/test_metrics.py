@@ -93,9 +93,11 @@ def test_serve_metrics_port_serves_the_named_series():
         assert value(after, "gridcomm_barrier_wait_seconds_bucket", le="+Inf") == completed
         assert value(after, "gridcomm_barrier_arrivals_total") >= 9
         assert value(after, "gridcomm_barrier_wait_seconds_sum") >= 0
-        # Calls by method and status: heartbeats, the refused token, the refused join.
+        # Operations by kind (heartbeats ride the Session stream); calls by method and status:
+        # the streams, the refused token, the refused join.
+        assert value(after, "gridcomm_ops_total", op="heartbeat") >= 2
         rpcs = {labels: v for (name, labels), v in after.items() if name == "gridcomm_rpcs_total"}
-        assert any(dict(labels)["method"] == "Heartbeat" for labels in rpcs), rpcs
+        assert any(dict(labels)["method"] == "Session" for labels in rpcs), rpcs
         assert any(dict(labels)["code"] == "UNAUTHENTICATED" for labels in rpcs), rpcs
         assert value(after, "gridcomm_refused_calls_total") >= 1
         assert value(after, "gridcomm_join_refusals_total", code="INVALID_ARGUMENT") == 1
@@ -132,6 +134,8 @@ def test_rank_zero_serves_metrics_on_gridcomm_metrics_port():
         assert value(samples, "gridcomm_ranks_joined") == 2 and value(samples, "gridcomm_ranks_connected") == 2
         assert value(samples, "gridcomm_rank_failures_total") == 0 and value(samples, "gridcomm_serving") == 1
         assert value(samples, "gridcomm_barriers_completed_total") >= 1
+        # Two ranks keep nobody's loop behind: well under the liveness bound in all.
+        assert 0 <= value(samples, "gridcomm_coordinator_loop_lag_seconds_total") < 5
         for r in ranks:
             r.send("")
         for r in ranks:

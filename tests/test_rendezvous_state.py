@@ -434,6 +434,39 @@ def test_a_rank_that_never_heartbeats_expires_once_the_job_uses_heartbeats():
     assert state.expired(now=10.0, timeout_s=5.0) == []
 
 
+def test_the_coordinators_own_lag_is_not_a_ranks_silence():
+    state = joined(3, now=0.0)
+    state.heartbeat(0, now=1.0, lag=0.0)
+    state.heartbeat(1, now=1.0, lag=0.0)
+    state.heartbeat(2, now=1.0, lag=0.0)
+    # 10 s later, 7 of them the coordinator's loop could not run (it read nothing): each rank has
+    # been silent 3 s in time the coordinator could have heard it.
+    assert state.expired(now=11.0, timeout_s=5.0, lag=7.0) == []
+    assert state.silence(state.members[0], now=11.0, lag=7.0) == 3.0
+    # Rank 1 heartbeats after the lag; the lag before its heartbeat no longer matters to it.
+    state.heartbeat(1, now=11.5, lag=7.0)
+    assert state.expired(now=14.0, timeout_s=5.0, lag=7.0) == [0, 2]
+    assert state.expired(now=14.0, timeout_s=5.0, lag=7.0) == [0, 2]
+    # Lag that came after a rank's last heartbeat is left out of its silence too.
+    assert state.expired(now=17.0, timeout_s=5.0, lag=10.0) == [0, 2]
+    assert 1 not in state.expired(now=17.0, timeout_s=5.0, lag=10.0)
+    assert state.expired(now=20.0, timeout_s=5.0, lag=10.0) == [0, 1, 2]
+
+
+def test_the_first_heartbeat_is_awaited_from_when_the_join_was_answered():
+    state = joined(3, now=0.0)
+    state.completed_at = 0.0
+    state.heartbeat(0, now=5.0)
+    state.answered(state.members[1], now=0.5)
+    # Rank 2's answer went out 4 s after the rendezvous completed (thousands to write).
+    state.answered(state.members[2], now=4.0, lag=1.0)
+    state.answered(state.members[2], now=9.0, lag=3.0)  # a repeated answer does not restart it
+    assert state.expired(now=6.0, timeout_s=5.0) == [1]
+    # Rank 2: 6 s since its answer, 2 of them coordinator lag: 4 s of silence, within the bound.
+    assert state.expired(now=10.0, timeout_s=5.0, lag=3.0) == [1]
+    assert state.expired(now=11.5, timeout_s=5.0, lag=3.0) == [1, 2]
+
+
 # ----------------------------------------------------------------- decisions the servicer asks for
 def test_join_answer_tells_the_servicer_what_a_join_waits_for():
     state = JobState(2, "job", now=0.0)

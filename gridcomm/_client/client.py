@@ -193,12 +193,11 @@ class CoordinatorClient:
         the stream breaks; every operation is idempotent) as its unary RPC."""
         if self._closed:
             raise CommAborted(f"{what}: this client was closed.")
-        if self.session_mode != "off":
-            if self._session is None:
-                self._session = _session.Session(self.target, self._metadata, self.aio_channel)
+        session = self.heartbeat_session()
+        if session is not None:
             started = time.monotonic()
             try:
-                return self._session.call(kind, request, timeout_s)
+                return session.call(kind, request, timeout_s)
             except _session.OpError as exc:
                 raise translate(exc, what, self.target) from None
             except _session.StreamBroken as exc:
@@ -423,6 +422,15 @@ class CoordinatorClient:
         if self._aio is None:
             self._aio = make_aio_channel(self.target, self.tls)
         return self._aio
+
+    def heartbeat_session(self) -> _session.Session | None:
+        """The Session stream the watcher's heartbeats ride (None with GRIDCOMM_SESSION=off, or
+        once closed)."""
+        if self.session_mode == "off" or self._closed:
+            return None
+        if self._session is None:
+            self._session = _session.Session(self.target, self._metadata, self.aio_channel)
+        return self._session
 
     def stop_watching(self) -> None:
         """Stops the heartbeats (before a leave, or when this rank is done). Idempotent."""

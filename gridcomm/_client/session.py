@@ -61,8 +61,8 @@ class StreamBroken(Exception):
 
 
 class _Waiter:
-    """One caller waiting for one result: a lock taken at creation and released by the loop
-    (cheaper than an Event, whose Condition costs more per wake-up)."""
+    """One caller thread waiting for one result: a lock taken at creation and released by the
+    loop (cheaper than an Event, whose Condition costs more per wake-up)."""
 
     __slots__ = ("lock", "result", "broken")
 
@@ -71,6 +71,24 @@ class _Waiter:
         self.lock.acquire()
         self.result: pb.SessionResult | None = None
         self.broken: str | None = None
+
+    def wake(self) -> None:
+        self.lock.release()
+
+
+class _LoopWaiter:
+    """A coroutine on the loop itself (the watcher's heartbeat) waiting for one result."""
+
+    __slots__ = ("future", "result", "broken")
+
+    def __init__(self, future: asyncio.Future[None]) -> None:
+        self.future = future
+        self.result: pb.SessionResult | None = None
+        self.broken: str | None = None
+
+    def wake(self) -> None:
+        if not self.future.done():
+            self.future.set_result(None)
 
 
 class Session:
@@ -86,7 +104,7 @@ class Session:
         self._metadata = metadata
         self._loop = _eventloop.loop()
         self._ids = itertools.count(1)
-        self._waiters: dict[int, _Waiter] = {}
+        self._waiters: dict[int, _Waiter | _LoopWaiter] = {}
         # Loop-thread state.
         #: The next message to write: what callers queued since the last write.
         self._outbox = pb.SessionRequest()
@@ -122,14 +140,22 @@ class Session:
             # timed out: nobody waits for this answer any more.
             self._waiters.pop(op_id, None)
             raise
-        if waiter.broken is not None:
-            raise StreamBroken(waiter.broken)
-        result = waiter.result
-        assert result is not None
-        if result.code:
-            raise OpError(_CODES.get(result.code, grpc.StatusCode.UNKNOWN), result.details,
-                          tuple((m.key, m.value) for m in result.metadata))
-        return getattr(result, kind)
+        return _outcome(waiter, kind)
+
+    async def run(self, kind: str, request: Any, timeout_s: float) -> Any:
+        """:meth:`call` for a coroutine on the background loop (the watcher's heartbeats ride
+        the stream the rank already holds: no call per heartbeat for the coordinator to set up)."""
+        op_id = next(self._ids)
+        waiter = self._waiters[op_id] = _LoopWaiter(self._loop.create_future())
+        self._queue(op_id, kind, request)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter.future), timeout_s)
+        except asyncio.TimeoutError:
+            if self._waiters.pop(op_id, None) is not None:
+                raise OpError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        finally:
+            self._waiters.pop(op_id, None)
+        return _outcome(waiter, kind)
 
     # ------------------------------------------------------------------ loop thread
     def _queue(self, op_id: int, kind: str, request: Any) -> None:
@@ -191,7 +217,7 @@ class Session:
                     waiter = waiters.pop(result.id, None)
                     if waiter is not None:
                         waiter.result = result
-                        waiter.lock.release()
+                        waiter.wake()
         except asyncio.CancelledError:
             self._broken(call, "cancelled")
             raise
@@ -224,7 +250,7 @@ class Session:
             waiter = self._waiters.pop(op_id, None)
             if waiter is not None:
                 waiter.broken = f"the Session stream to {self._target} {why}"
-                waiter.lock.release()
+                waiter.wake()
 
     async def close(self) -> None:
         """Ends the stream (the client closes the channel it runs on)."""
@@ -253,6 +279,17 @@ class Session:
             # Why: a cancelled task's traceback refers back to this session and its call; drop
             # the references so nothing keeps the call (and its channel) alive until a GC pass.
             self._has_work = None
+
+
+def _outcome(waiter: _Waiter | _LoopWaiter, kind: str) -> Any:
+    if waiter.broken is not None:
+        raise StreamBroken(waiter.broken)
+    result = waiter.result
+    assert result is not None
+    if result.code:
+        raise OpError(_CODES.get(result.code, grpc.StatusCode.UNKNOWN), result.details,
+                      tuple((m.key, m.value) for m in result.metadata))
+    return getattr(result, kind)
 
 
 def _why(exc: BaseException) -> str:

@@ -21,6 +21,7 @@ from typing import Protocol
 import grpc
 
 from gridcomm import _config
+from gridcomm._client.session import Session, StreamBroken
 from gridcomm._errors import CoordinatorLost, CoordinatorUnavailable, GridcommError, RankFailedError
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
@@ -58,6 +59,10 @@ class Watched(Protocol):
 
     def aio_channel(self) -> grpc.aio.Channel:
         """The client's channel on the background loop (shared with its Session stream)."""
+        ...
+
+    def heartbeat_session(self) -> Session | None:
+        """The client's Session stream, which heartbeats ride (None: unary heartbeats)."""
         ...
 
 
@@ -113,14 +118,14 @@ class Watcher:
                     await asyncio.sleep(interval)
                 generation = client.generation
                 request = pb.HeartbeatRequest(caller=client.caller, wait_s=interval)
+                # Why a deadline well past the server's answer (at ``interval``): a call the
+                # client gives up on is cancelled on the server, which reads a dropped heartbeat
+                # as a dead process after its short grace. An overloaded but live rank (256
+                # processes on 2 cores, make bench) was failed that way with ``interval + 1``.
+                call_s = interval + max(1.0, timeout_s / 2)
                 try:
-                    # Why a deadline well past the server's answer (at ``interval``): a call the
-                    # client gives up on is cancelled on the server, which reads a dropped heartbeat
-                    # as a dead process after its short grace. An overloaded but live rank (256
-                    # processes on 2 cores, make bench) was failed that way with ``interval + 1``.
-                    reply = await stub.Heartbeat(request, timeout=interval + max(1.0, timeout_s / 2),
-                                                 metadata=client.metadata)
-                except grpc.aio.AioRpcError as exc:
+                    reply = await self._beat(stub, request, call_s)
+                except grpc.RpcError as exc:
                     code = exc.code()
                     if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                     grpc.StatusCode.CANCELLED):
@@ -141,6 +146,23 @@ class Watcher:
                     self._report(failure_error(reply.failures[0], client.rank), reply.generation or generation)
         except asyncio.CancelledError:
             pass
+
+    async def _beat(self, stub: pb_grpc.CoordinatorStub, request: pb.HeartbeatRequest,
+                    call_s: float) -> pb.HeartbeatResponse:
+        """One heartbeat: an operation on the client's Session stream (a message on a stream
+        the coordinator already serves; a unary call per heartbeat is a new call for it to set
+        up, and at 2,048 ranks those calls waited behind the streams' traffic for longer than
+        the liveness bound), or the Heartbeat RPC when there is no stream or it broke."""
+        session = self._client.heartbeat_session()
+        if session is not None:
+            started = time.monotonic()
+            try:
+                return await session.run("heartbeat", request, call_s)
+            except StreamBroken as exc:
+                log.debug("rank %d: %s; heartbeat as a unary call", self._client.rank, exc)
+            call_s = max(0.1, call_s - (time.monotonic() - started))
+        reply: pb.HeartbeatResponse = await stub.Heartbeat(request, timeout=call_s, metadata=self._client.metadata)
+        return reply
 
     def _lost(self, silent: float, why: str) -> GridcommError:
         client = self._client

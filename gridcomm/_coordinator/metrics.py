@@ -192,6 +192,7 @@ class _Snapshot:
     ops: dict[str, int]
     session_op_errors: dict[tuple[str, str], int]
     join_refusals: dict[str, int]
+    loop_lag_s: float = 0.0
 
 
 def _snapshot(coordinator: Any) -> _Snapshot:
@@ -218,6 +219,7 @@ def _snapshot(coordinator: Any) -> _Snapshot:
         barrier_buckets=list(metrics.barrier_wait_buckets), barrier_sum=metrics.barrier_wait_sum,
         rpcs=dict(metrics.rpcs), ops=dict(metrics.ops),
         session_op_errors=dict(metrics.session_op_errors), join_refusals=dict(metrics.join_refusals),
+        loop_lag_s=servicer.lag.total_s if servicer is not None else 0.0,
     )
 
 
@@ -283,6 +285,9 @@ class _Collector:
                       snap.rank_failures)
         yield counter("gridcomm_recoveries", "Generations formed by a recovery in place (rebuild or shrink).",
                       snap.recoveries)
+        yield counter("gridcomm_coordinator_loop_lag_seconds", "Seconds the coordinator's event loop ran behind "
+                      "(timers fired late): time it could not hear ranks, left out of their liveness silence.",
+                      snap.loop_lag_s)
         yield counter("gridcomm_barriers_completed", "Barrier instances completed.", snap.barriers_completed)
         yield counter("gridcomm_barrier_arrivals", "Arrivals at completed barrier instances (participants per "
                       "instance, counted at completion).", snap.barrier_arrivals)
@@ -298,8 +303,8 @@ class _Collector:
         for (method, code), count in sorted(snap.rpcs.items()):
             rpcs.add_metric([method, code], count)
         yield rpcs
-        ops = CounterMetricFamily("gridcomm_ops", "join, set, get and leave operations (on a Session stream or "
-                                  "as a unary call), by kind; barriers: gridcomm_barrier_arrivals.", labels=["op"])
+        ops = CounterMetricFamily("gridcomm_ops", "join, set, get, heartbeat and leave operations (on a "
+                                  "Session stream or as a unary call), by kind; barriers: gridcomm_barrier_arrivals.", labels=["op"])
         for kind, count in sorted(snap.ops.items()):
             ops.add_metric([kind], count)
         yield ops

@@ -23,6 +23,7 @@ from gridcomm._coordinator.answers import Abort, RefusalLog, bounded, failure_pb
 from gridcomm._coordinator.metrics import CoordinatorMetrics
 from gridcomm._coordinator.state import REBUILD, SHRINK, JobState, Member, StateError, quote
 from gridcomm._proto import coordinator_pb2 as pb
+from gridcomm._runtime.lag import LagMeter
 from gridcomm._wire import CHUNK_BYTES, FAILED_KEY, MISSING_KEY, ranks_text, shown_generation
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ class Servicer:
         self._token = owner.token.encode() if owner.token is not None else None
         self.refusals = RefusalLog()
         self.metrics = owner.metrics
+        #: This loop's own lag, which liveness does not count as the ranks' silence.
+        self.lag = LagMeter()
 
     @property
     def world_size(self) -> int:
@@ -221,7 +224,7 @@ class Servicer:
             self._wake(("join",))
         answer = state.join_answer(request.rank, request.incarnation, base)
         if answer == "joined":
-            return self._joined()
+            return self._joined(request.rank)
         if answer == "recovery":
             return await self._await_recovery(request, base, deadline)
         member = state.members[request.rank]
@@ -235,10 +238,13 @@ class Servicer:
                         f"{len(missing)} of {state.world_size} ranks have not joined: {bounded(missing)}"
                         + self.metrics.refusal_note(missing),  # a missing rank that was refused says why
                         ((MISSING_KEY, ranks_text(missing)),))
-        return self._joined()
+        return self._joined(request.rank)
 
-    def _joined(self) -> pb.JoinResponse:
+    def _joined(self, rank: int) -> pb.JoinResponse:
         state = self._state
+        member = state.members.get(rank)
+        if member is not None:
+            state.answered(member, self._now(), self.lag.total_s)
         # Members are not sent: O(world size) per join is O(world size^2) per rendezvous; Status
         # lists them for who needs them. A shrunk generation names its job ranks.
         active = state.active
@@ -293,7 +299,7 @@ class Servicer:
                         f"the recovery of generation {shown_generation(base)} waits for {len(missing)} rank(s): {bounded(missing)} "
                         "(survivors that have not called it, or failed ranks without a replacement)",
                         ((MISSING_KEY, ranks_text(missing)),))
-        return self._joined()
+        return self._joined(request.rank)
 
     async def set(self, request: pb.SetRequest, deadline: float | None) -> pb.SetResponse:
         member = self._caller(request.caller, "set")
@@ -373,7 +379,8 @@ class Servicer:
         caller = request.caller
         member = state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, "heartbeat",
                                     any_generation=True)
-        state.heartbeat(member.rank, self._now())
+        self.metrics.ops["heartbeat"] += 1
+        state.heartbeat(member.rank, self._now(), self.lag.total_s)
         beat = member.last_heartbeat
         self._wake(("beat", member.rank))  # a second process for this rank may wait to learn it is alive
         try:
@@ -382,11 +389,15 @@ class Servicer:
         except asyncio.CancelledError:
             # Why: the call ended without an answer: the caller's process died or its network
             # went away (or it merely re-dials). Give it a moment to heartbeat again, then fail it.
-            self._loop.call_later(self._owner.connection_grace_s, self._check_lost, member, beat)
+            self._loop.call_later(self._owner.connection_grace_s, self._check_lost, member, beat, self.lag.total_s)
             raise
         return pb.HeartbeatResponse(failures=[failure_pb(f) for f in state.failures], generation=state.generation)
 
-    def _check_lost(self, member: Member, beat: float | None) -> None:
+    def _check_lost(self, member: Member, beat: float | None, lag_then: float) -> None:
+        if self.lag.total_s - lag_then > self._owner.connection_grace_s / 4:
+            # Why: this loop fell behind during the grace, so the rank's next heartbeat may be
+            # unread yet; the heartbeat bound, which leaves the lag out, decides instead.
+            return
         if self._state.lost_connection(member, beat):
             self._fail(member.rank, f"rank {member.rank} on {member.hostname or '?'} lost its connection to the "
                        "coordinator without leaving (process killed, crashed, or network cut)")
@@ -395,14 +406,21 @@ class Servicer:
         """Marks failed every heartbeating rank silent for longer than the heartbeat timeout."""
         timeout = self._owner.heartbeat_timeout_s
         period = max(0.05, min(1.0, timeout / 4))
-        while not self._owner.closing:
-            await asyncio.sleep(period)
-            for rank in self._state.expired(self._now(), timeout):
-                member = self._state.members[rank]
-                why = ("sent no heartbeat within {t:g} s of the rendezvous (died while joining?)"
-                       if member.last_heartbeat is None else
-                       "sent no heartbeat for {t:g} s (hung, partitioned, or overloaded)").format(t=timeout)
-                self._fail(rank, f"rank {rank} on {member.hostname or '?'} {why}")
+        meter = asyncio.ensure_future(self.lag.run())
+        try:
+            while not self._owner.closing:
+                await asyncio.sleep(period)
+                now, lag = self._now(), self.lag.total_s
+                for rank in self._state.expired(now, timeout, lag):
+                    member = self._state.members[rank]
+                    silent = self._state.silence(member, now, lag) or timeout
+                    why = ("sent no heartbeat within {t:.1f} s of its join being answered (died while joining?)"
+                           if member.last_heartbeat is None else
+                           "sent no heartbeat for {t:.1f} s (hung, partitioned, or overloaded)").format(t=silent)
+                    note = f"; the coordinator's own lag of {lag:.1f} s so far is not counted" if lag >= 0.5 else ""
+                    self._fail(rank, f"rank {rank} on {member.hostname or '?'} {why}{note}")
+        finally:
+            meter.cancel()
 
     async def report_failure(self, request: pb.ReportFailureRequest, deadline: float | None) -> pb.ReportFailureResponse:
         rank = request.caller.rank

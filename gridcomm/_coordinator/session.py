@@ -24,6 +24,7 @@ OPERATIONS: dict[str, Callable[[Servicer, Any, float | None], Awaitable[Any]]] =
     "get": Servicer.get,
     "barrier": Servicer.barrier,
     "leave": Servicer.leave,
+    "heartbeat": Servicer.heartbeat,
 }
 
 

@@ -128,7 +128,7 @@ class CoordinatorServicer(object):
         message holds the operations gathered since the last one, each reply the results that
         completed. An operation answers exactly as its unary RPC would (same checks, same status
         and trailing metadata), so a client can fall back to the unary RPC at any time. The stream
-        is not a liveness signal; Heartbeat is.
+        is not a liveness signal by itself; a heartbeat operation on it is, as the Heartbeat RPC is.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

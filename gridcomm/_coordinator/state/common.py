@@ -59,6 +59,11 @@ class Member:
     #: When the member's watcher last sent a heartbeat (None: it never did, so liveness is not
     #: tracked for it, e.g. a bare CoordinatorClient).
     last_heartbeat: float | None = None
+    #: When the coordinator answered this member's join (it could heartbeat from then on).
+    reachable_at: float | None = None
+    #: The coordinator's cumulative lag (see gridcomm._runtime.lag) at last_heartbeat, or at
+    #: reachable_at before the first heartbeat: lag after it is not counted as the member's silence.
+    lag_mark: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,23 +72,50 @@ class Liveness(StateBase):
     def first_failure(self) -> Failure | None:
         return self.failures[0] if self.failures else None
 
-    def heartbeat(self, rank: int, now: float) -> None:
+    def heartbeat(self, rank: int, now: float, lag: float = 0.0) -> None:
+        """``rank`` heartbeat at ``now``; ``lag``: the coordinator's cumulative lag then."""
         member = self.members[rank]
         member.last_heartbeat = now
         member.last_seen = now
+        member.lag_mark = lag
 
-    def expired(self, now: float, timeout_s: float) -> list[int]:
-        """Ranks that have not left or failed and show no sign of life within timeout_s:
+    def answered(self, member: Member, now: float, lag: float = 0.0) -> None:
+        """``member``'s join was answered: from now on it could heartbeat, so the clock of its
+        first heartbeat starts here (not when the rendezvous completed: thousands of answers
+        take the coordinator a while to write)."""
+        if member.reachable_at is None:
+            member.reachable_at = now
+            if member.last_heartbeat is None:
+                member.lag_mark = lag
+
+    def silence(self, member: Member, now: float, lag: float) -> float | None:
+        """How long ``member`` has been silent in time the coordinator could hear it: since its
+        last heartbeat, or since its join was answered if it never sent one, less the lag the
+        coordinator has had since (None: nothing to count from)."""
+        since = member.last_heartbeat
+        if since is None:
+            since = member.reachable_at if member.reachable_at is not None else self.completed_at
+        if since is None:
+            return None
+        return (now - since) - max(0.0, lag - member.lag_mark)
+
+    def expired(self, now: float, timeout_s: float, lag: float = 0.0) -> list[int]:
+        """Ranks that have not left or failed and show no sign of life within timeout_s, in time
+        the coordinator could hear them (``lag``: its cumulative lag, see :meth:`silence`):
 
         - a rank that heartbeats, silent for timeout_s (calls in flight do not count: a silently
           partitioned rank's barrier call stays open on this side until TCP gives up);
-        - once the job uses heartbeats, a rank that never sent one within timeout_s after the
-          rendezvous completed (it died while joining, so nothing else would ever notice).
+        - once the job uses heartbeats, a rank that never sent one within timeout_s after its
+          join was answered (it died while joining, so nothing else would ever notice).
         Jobs of bare clients (no heartbeats at all) are never expired.
         """
         joined = [m for m in self.members.values() if m.state is MemberState.JOINED]
-        out = [m.rank for m in joined if m.last_heartbeat is not None and now - m.last_heartbeat > timeout_s]
-        if self.completed_at is not None and now - self.completed_at > timeout_s and \
-                any(m.last_heartbeat is not None for m in self.members.values()):
-            out.extend(m.rank for m in joined if m.last_heartbeat is None and m.active_calls == 0)
+        out = []
+        beating = any(m.last_heartbeat is not None for m in self.members.values())
+        for m in joined:
+            if m.last_heartbeat is None and (not beating or m.active_calls or self.completed_at is None):
+                continue
+            silent = self.silence(m, now, lag)
+            if silent is not None and silent > timeout_s:
+                out.append(m.rank)
         return sorted(out)

@@ -1,0 +1,79 @@
+"""A coordinator kept busy past its liveness bound fails no live rank.
+
+1,024 ranks (8 processes x 128 threads, each rank a client with its own connection, as a pod has)
+join with the default liveness bound and then run barriers back to back for longer than that
+bound, which keeps the coordinator's loop saturated on the CI machine's two cores. Every rank is
+alive throughout; the coordinator must not read its own backlog as their silence. (At 2,048 ranks
+it did: heartbeats were unary calls that waited behind the Session streams' traffic, and every
+rank was failed ~15 s after the rendezvous.)
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gridcomm import _config
+from tests.support.procs import RankProcesses, assert_all_ok
+
+PROCS = 8
+THREADS = 128
+#: Barriers run for this long after the rendezvous: past the default liveness bound.
+HOLD_S = _config.DEFAULT_HEARTBEAT_TIMEOUT_S + 10
+
+WORKER = """
+import json, os, threading, time, gridcomm
+proc = int(os.environ["GRIDCOMM_RANK"]); threads = int(os.environ["THREADS"]); world = int(os.environ["WORLD"])
+port = int(os.environ["PORT"]); hold_s = float(os.environ["HOLD_S"])
+threading.stack_size(512 * 1024)
+clients = [gridcomm.CoordinatorClient("127.0.0.1", port, proc * threads + t, world, timeout_s=240)
+           for t in range(threads)]
+errors, passed = [], {}
+def run(c):
+    try:
+        c.join()
+        # Every rank runs the same number of barriers: rank 0 decides when to stop, by a key.
+        n = 0
+        while True:
+            c.barrier("storm")
+            n += 1
+            if c.rank == 0 and n % 4 == 0:
+                c.set(f"go/{n}", b"1" if time.monotonic() - started < hold_s else b"0")
+            if n % 4 == 0 and c.get(f"go/{n}") == b"0":
+                break
+        passed[c.rank] = n
+        c.leave()
+    except Exception as exc:
+        errors.append(f"rank {c.rank}: {type(exc).__name__}: {exc}"[:600])
+started = time.monotonic()
+ts = [threading.Thread(target=run, args=(c,)) for c in clients]
+[t.start() for t in ts]; [t.join(300) for t in ts]
+print(json.dumps({"errors": errors[:5], "n_errors": len(errors), "passed": passed}))
+"""
+
+
+@pytest.mark.timeout(400)
+def test_a_saturated_coordinator_fails_no_live_rank(coordinator_factory):
+    world = PROCS * THREADS
+    server = coordinator_factory(world)  # the default liveness bound
+    assert server.heartbeat_timeout_s == _config.DEFAULT_HEARTBEAT_TIMEOUT_S
+    results = RankProcesses(WORKER, PROCS, env={"PORT": str(server.port), "THREADS": str(THREADS),
+                                                "WORLD": str(world), "HOLD_S": str(HOLD_S)}).wait(380)
+    assert_all_ok(results)
+    passed: dict[int, int] = {}
+    errors = []
+    for r in results.values():
+        data = json.loads(r.stdout.strip().splitlines()[-1])
+        errors += data["errors"]
+        passed.update({int(k): v for k, v in data["passed"].items()})
+    assert not errors, errors
+    assert not server.state.failures, [f.reason for f in server.state.failures[:3]]
+    assert len(passed) == world and len(set(passed.values())) == 1, sorted(set(passed.values()))
+    # The liveness machinery was live the whole time: every rank heartbeat, so a silent one
+    # would have been failed.
+    assert all(m.last_heartbeat is not None for m in server.state.members.values())
+    lag = server._servicer.lag if server._servicer is not None else None
+    print(f"\n{world} ranks, {next(iter(passed.values()))} barriers in ~{HOLD_S:.0f} s; coordinator lag "
+          f"{lag.total_s:.1f} s in all, worst {lag.worst_s:.2f} s" if lag else "")
+    assert server.wait_all_left(30)
