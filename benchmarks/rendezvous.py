@@ -51,7 +51,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RANK_COUNTS = (8, 32, 128, 256, 512, 2048, 8192, 16384)
 DEFAULT_RANKS = (8, 32, 128, 512, 2048)
-PEER_NAMES = ("gridcomm", "torch", "jax", "cupyx")
+PEER_NAMES = ("gridcomm", "gridcomm+relay", "torch", "jax", "cupyx")
 BLOB = bytes(range(128))
 BLOB_KEY = "bench/blob"
 #: Up to this many ranks each rank is an OS process; above it, PROCESSES processes of threads.
@@ -90,6 +90,9 @@ class Peer:
     def close(self, client: Any) -> None:
         """Best effort, bounded."""
 
+    def start_process(self, port: int, world: int, timeout_s: float) -> None:
+        """Once per rank process, before its ranks connect (a node agent's part, if the peer has one)."""
+
 
 class GridcommPeer(Peer):
     name = "gridcomm"
@@ -122,6 +125,25 @@ class GridcommPeer(Peer):
 
     def close(self, client: Any) -> None:
         client.leave()
+
+
+class GridcommRelayPeer(GridcommPeer):
+    """gridcomm with a relay per rank process, as `GRIDCOMM_RELAY=on gridcomm launch` hosts one per
+    node: each rank still has a connection of its own, to its node's relay; the coordinator sees one
+    stream per relay (32 above 128 ranks)."""
+
+    name = "gridcomm+relay"
+    relay: Any = None
+
+    def start_process(self, port: int, world: int, timeout_s: float) -> None:
+        from gridcomm._relay import Relay
+        self.relay = Relay(f"127.0.0.1:{port}").start()
+
+    def connect(self, port: int, rank: int, world: int, timeout_s: float) -> Any:
+        client = gridcomm.CoordinatorClient("127.0.0.1", port, rank, world, timeout_s=timeout_s, session="client",
+                                            relay=self.relay.target)
+        client.join()
+        return client
 
 
 class TorchPeer(Peer):
@@ -244,7 +266,7 @@ class CupyxPeer(Peer):
 
 
 PEERS: dict[str, Callable[[], Peer]] = {
-    "gridcomm": GridcommPeer, "torch": TorchPeer, "jax": JaxPeer, "cupyx": CupyxPeer,
+    "gridcomm": GridcommPeer, "gridcomm+relay": GridcommRelayPeer, "torch": TorchPeer, "jax": JaxPeer, "cupyx": CupyxPeer,
 }
 
 
@@ -338,6 +360,10 @@ def worker_main(peer: Peer, wid: int, ranks: list[int], world: int, port: int, q
             queue.put(("error", step, rank, f"{type(exc).__name__}: {exc}"[:400]))
 
     threading.Thread(target=relay, daemon=True).start()
+    try:
+        peer.start_process(port, world, timeout_s)
+    except BaseException as exc:  # noqa: BLE001 - reported to the driver, which ends the run
+        queue.put(("error", "start", ranks[0], f"{type(exc).__name__}: {exc}"[:400]))
     threads = [threading.Thread(target=run_rank, args=(rank,), daemon=True) for rank in ranks]
     for t in threads:
         t.start()

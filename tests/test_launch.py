@@ -105,3 +105,22 @@ def test_init_process_group_from_a_torchrun_environment(tmp_path):
     for rank, (out, err) in enumerate(outs):
         assert procs[rank].returncode == 0, err
         assert f"RESULT {rank} 2 [3.0, 3.0, 3.0]" in out
+
+
+@pytest.mark.timeout(120)
+def test_launch_with_relay_on_carries_the_ranks_through_its_relay(tmp_path):
+    script = tmp_path / "through.py"
+    script.write_text("import os, gridcomm\n"
+                      "with gridcomm.init_process_group(backend='host') as comm:\n"
+                      "    comm.barrier()\n"
+                      "print('RELAY', os.environ['GRIDCOMM_RELAY_ADDRESS'])\n")
+    result = launch("--nproc", "3", "--backend", "host", str(script),
+                    env=dict(ENV, GRIDCOMM_RELAY="on"))
+    assert result.returncode == 0, result.stderr
+    relays = {line.split("RELAY ")[1] for line in result.stdout.splitlines() if "RELAY " in line}
+    assert len(relays) == 1 and relays.pop().startswith("127.0.0.1:"), result.stdout
+    # Nobody lost the relay on the way (a rank that did would say so and go on directly).
+    assert "is gone" not in result.stderr and "did not answer" not in result.stderr, result.stderr
+    result = launch("--nproc", "2", "--backend", "host", "-m", "gridcomm._cli.demo", env=dict(ENV, GRIDCOMM_RELAY="on"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count('"ok": true') == 20

@@ -68,6 +68,15 @@ def launch(nproc: int, command: Sequence[str], backend: str | None = None,
     env_in = _config.process_environ() if environ is None else environ
     chosen = _config.launch_backend(backend, env_in)
     port = _config.launch_port(env_in) or free_port()
+    relay = None
+    if _config.relay_mode(env_in) == "on":
+        # The node agent's relay: the ranks started here reach the coordinator (in rank 0) through
+        # it, on one connection, the same operation of several ranks as one.
+        from gridcomm._relay import Relay
+
+        relay = Relay(_config.format_target("127.0.0.1", port), token=_config.token(None, env_in),
+                      tls=_config.tls(env_in), heartbeat_timeout_s=_config.heartbeat_timeout_s(None, env_in)).start()
+        env_in = {**env_in, "GRIDCOMM_RELAY_ADDRESS": relay.target}
     lock = threading.Lock()
     out = sys.stdout.buffer
     err = sys.stderr.buffer
@@ -126,6 +135,8 @@ def launch(nproc: int, command: Sequence[str], backend: str | None = None,
                 _reap_later(procs, running)
     finally:
         _stop(procs)
+        if relay is not None:
+            relay.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for pump in pumps:

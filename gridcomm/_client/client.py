@@ -100,13 +100,14 @@ class CoordinatorClient:
         hostname: str | None = None,
         tls: _config.TlsFiles | None = None,
         session: str | None = None,
+        relay: str | None = None,
         settings: ClientSettings | None = None,
         coordinator_rank: int | None = None,
     ) -> None:
         if settings is None:
             settings = ClientSettings.resolve(host, port, rank, world_size, token, timeout_s, job_id=job_id, tls=tls,
-                                              session=session)
-        elif any(v is not None for v in (host, port, rank, world_size, token, timeout_s, job_id, tls, session)):
+                                              session=session, relay=relay)
+        elif any(v is not None for v in (host, port, rank, world_size, token, timeout_s, job_id, tls, session, relay)):
             raise ConfigError("CoordinatorClient takes either settings= or the separate arguments, not both.")
         if settings.port == 0:
             raise ConfigError("port=0 cannot be dialled; pass the coordinator's bound port.")
@@ -133,6 +134,9 @@ class CoordinatorClient:
         self._stub_: pb_grpc.CoordinatorStub | None = None
         self._session: _session.Session | None = None
         self._aio: grpc.aio.Channel | None = None
+        #: The relay the Session stream dials (GRIDCOMM_RELAY_ADDRESS), until it is found gone.
+        self.relay_target = settings.relay
+        self._relay_aio: grpc.aio.Channel | None = None
         self._closed = False
         self._barrier_seq: dict[str, int] = {}
         self._joined = False
@@ -424,13 +428,36 @@ class CoordinatorClient:
         return self._aio
 
     def heartbeat_session(self) -> _session.Session | None:
-        """The Session stream the watcher's heartbeats ride (None with GRIDCOMM_SESSION=off, or
-        once closed)."""
+        """The Session stream this client's operations and the watcher's heartbeats ride: to the
+        relay while there is one, else to the coordinator (None with GRIDCOMM_SESSION=off, or once
+        closed)."""
         if self.session_mode == "off" or self._closed:
             return None
-        if self._session is None:
-            self._session = _session.Session(self.target, self._metadata, self.aio_channel)
-        return self._session
+        session = self._session
+        if session is not None and session.relay and session.closed:
+            log.warning("rank %d: the relay at %s is gone; going to the coordinator at %s directly", self.rank,
+                        self.relay_target, self.target)
+            self.relay_target, session = None, None
+        if session is None:
+            if self.relay_target is not None:
+                session = _session.Session(self.relay_target, self._metadata, self.relay_channel, relay=True)
+            else:
+                session = _session.Session(self.target, self._metadata, self.aio_channel)
+            self._session = session
+        return session
+
+    def relay_unreachable(self, session: _session.Session) -> None:
+        """From the watcher (on the loop): the relay did not answer a heartbeat in time; stop
+        using it (what ``session`` still carries falls back to unary calls to the coordinator)."""
+        if session.relay and self._session is session:
+            asyncio.ensure_future(session.close())
+
+    def relay_channel(self) -> grpc.aio.Channel:
+        """The channel to the relay, on the background loop (made on first use)."""
+        assert self.relay_target is not None
+        if self._relay_aio is None:
+            self._relay_aio = make_aio_channel(self.relay_target, self.tls)
+        return self._relay_aio
 
     def stop_watching(self) -> None:
         """Stops the heartbeats (before a leave, or when this rank is done). Idempotent."""
@@ -446,8 +473,9 @@ class CoordinatorClient:
         if channel is not None:
             channel.close()
         session, self._session = self._session, None
-        channel_aio, self._aio = self._aio, None
-        if session is None and channel_aio is None:
+        channels = [c for c in (self._aio, self._relay_aio) if c is not None]
+        self._aio = self._relay_aio = None
+        if session is None and not channels:
             return
         running = _eventloop.current()
         if running is None:
@@ -456,7 +484,7 @@ class CoordinatorClient:
         async def close_all() -> None:
             if session is not None:
                 await session.close()
-            if channel_aio is not None:
+            for channel_aio in channels:
                 await channel_aio.close()
 
         try:

@@ -96,8 +96,11 @@ class Session:
     loop's; the rest runs on the loop."""
 
     def __init__(self, target: str, metadata: tuple[tuple[str, str], ...],
-                 channel: Callable[[], grpc.aio.Channel]) -> None:
+                 channel: Callable[[], grpc.aio.Channel], *, relay: bool = False) -> None:
         self._target = target
+        #: A stream to a relay is not opened again once it breaks: the client goes on without
+        #: the relay (its operations repeat as unary calls to the coordinator meanwhile).
+        self.relay = relay
         #: Gives the channel the stream runs on: the client's, shared with its watcher (a rank
         #: holds one connection), which the client closes.
         self._channel = channel
@@ -115,6 +118,11 @@ class Session:
         self._tasks: tuple[asyncio.Task[None], ...] = ()
         #: Set by close(): nothing reopens the stream (what is still queued falls back to unary).
         self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """True once closed, or, for a relay's stream, once it broke."""
+        return self._closed
 
     # ------------------------------------------------------------------ calling threads
     def call(self, kind: str, request: Any, timeout_s: float) -> Any:
@@ -231,6 +239,8 @@ class Session:
             return
         self._call = None
         call.cancel()
+        if self.relay:
+            self._closed = True
         if self._has_work is not None:
             self._has_work.set()  # ends this stream's writer
         lost = set(self._sent)

@@ -65,6 +65,10 @@ class Watched(Protocol):
         """The client's Session stream, which heartbeats ride (None: unary heartbeats)."""
         ...
 
+    def relay_unreachable(self, session: Session) -> None:
+        """The relay ``session`` dials did not answer a heartbeat in time."""
+        ...
+
 
 class Watcher:
     """Heartbeats for one joined client, on the background loop, and hands every failure it
@@ -157,9 +161,20 @@ class Watcher:
         if session is not None:
             started = time.monotonic()
             try:
-                return await session.run("heartbeat", request, call_s)
+                if not session.relay:
+                    return await session.run("heartbeat", request, call_s)
+                # Why a short deadline: the relay answers at the wait (it is near, and does not
+                # wait on the coordinator to); one that does not is hung or cut off, and this
+                # rank must reach the coordinator directly before the bound names it silent.
+                return await session.run("heartbeat", request, request.wait_s + 2.0)
             except StreamBroken as exc:
                 log.debug("rank %d: %s; heartbeat as a unary call", self._client.rank, exc)
+            except grpc.RpcError as exc:
+                if not session.relay or exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                log.warning("rank %d: the relay did not answer a heartbeat in time; going to the coordinator directly",
+                            self._client.rank)
+                self._client.relay_unreachable(session)
             call_s = max(0.1, call_s - (time.monotonic() - started))
         reply: pb.HeartbeatResponse = await stub.Heartbeat(request, timeout=call_s, metadata=self._client.metadata)
         return reply

@@ -254,6 +254,35 @@ def session_mode(explicit: str | None = None, environ: Mapping[str, str] | None 
     return value
 
 
+RELAY_MODES = ("auto", "on", "off")
+
+
+def relay_mode(environ: Mapping[str, str] | None = None) -> str:
+    """GRIDCOMM_RELAY: whether ``gridcomm launch`` hosts a relay for its ranks (``auto``: off;
+    ``on``: every rank it starts reaches the coordinator through it)."""
+    found = _first(_env(environ), ("GRIDCOMM_RELAY",))
+    value = found[1].strip().lower() if found else "auto"
+    if value not in RELAY_MODES:
+        raise ConfigError(f"GRIDCOMM_RELAY={value!r} must be one of {', '.join(RELAY_MODES)}.")
+    return value
+
+
+def relay_address(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
+    """GRIDCOMM_RELAY_ADDRESS (host:port): the relay this rank's Session stream dials instead of
+    the coordinator (set by ``gridcomm launch``), or None."""
+    value = explicit
+    if value is None:
+        found = _first(_env(environ), ("GRIDCOMM_RELAY_ADDRESS",))
+        if found is None or not found[1].strip():
+            return None
+        value = found[1].strip()
+    host, sep, port = value.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"GRIDCOMM_RELAY_ADDRESS={value!r} must be HOST:PORT (e.g. 127.0.0.1:40123).")
+    return format_target(validate_host("GRIDCOMM_RELAY_ADDRESS", host.strip("[]")),
+                         _parse_int("GRIDCOMM_RELAY_ADDRESS port", port, minimum=1, maximum=65535))
+
+
 def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         try:

@@ -50,6 +50,12 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("GRIDCOMM_SESSION", "`client`, `off`", "`client`",
              "how calls travel: a Session stream per client, or one unary RPC per call (`process` was removed)",
              "`session=`"),
+    Variable("GRIDCOMM_RELAY", "`auto`, `on`, `off`", "`auto` (off)",
+             "`on`: `gridcomm launch` hosts a relay that carries its ranks' control traffic to the coordinator on one "
+             "connection, the same operation of several ranks as one"),
+    Variable("GRIDCOMM_RELAY_ADDRESS", "host:port", "none (the coordinator)",
+             "the relay a rank's Session stream dials (set by `gridcomm launch`); its unary calls, and everything "
+             "once the relay is gone, go to the coordinator"),
     Variable("GRIDCOMM_HEALTH_PORT", "port", "none",
              "this rank's plaintext grpc.health.v1 port (`\"\"` liveness, `gridcomm.v1.Coordinator` readiness)"),
     Variable("GRIDCOMM_METRICS_PORT", "port", "none",

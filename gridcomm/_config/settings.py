@@ -35,18 +35,21 @@ class ClientSettings:
     timeout_s: float
     job_id: str
     session: str
+    #: The relay this rank's Session stream dials (GRIDCOMM_RELAY_ADDRESS), or None: the coordinator.
+    relay: str | None = None
 
     @classmethod
     def resolve(cls, host: str | None = None, port: int | None = None, rank: int | None = None,
                 world_size: int | None = None, token: str | None = None, timeout_s: float | None = None, *,
                 job_id: str | None = None, tls: TlsFiles | None = None, session: str | None = None,
-                environ: Mapping[str, str] | None = None) -> ClientSettings:
+                relay: str | None = None, environ: Mapping[str, str] | None = None) -> ClientSettings:
         size = readers.world_size(world_size, environ)
         me = readers.rank(rank, size, environ)
         dial_host, dial_port = readers.coordinator_address(host, port, environ)
         return cls(host=dial_host, port=dial_port, rank=me, world_size=size, token=readers.token(token, environ),
                    tls=tls if tls is not None else readers.tls(environ), timeout_s=readers.timeout_s(timeout_s, environ),
-                   job_id=readers.job_id(job_id, environ), session=readers.session_mode(session, environ))
+                   job_id=readers.job_id(job_id, environ), session=readers.session_mode(session, environ),
+                   relay=readers.relay_address(relay, environ))
 
     @property
     def target(self) -> str:

@@ -24,16 +24,11 @@ from gridcomm._coordinator.session import ServerSession
 from gridcomm._coordinator.state import JobState, Limits
 from gridcomm._errors import ConfigError, CoordinatorUnavailable
 from gridcomm._proto import coordinator_pb2 as pb
-from gridcomm._runtime.guard import MAX_METADATA_BYTES, BoundedHealth, GuardedServer, health_server_options
+from gridcomm._runtime.guard import BoundedHealth, GuardedServer, control_server_options, health_server_options
 from gridcomm._runtime.loop import drop_late_grpc_events
-from gridcomm._wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, SERVICE_NAME
+from gridcomm._wire import SERVICE_NAME
 
 log = logging.getLogger(__name__)
-
-#: Concurrent calls one connection may have open. A rank needs a few (its Session stream, a
-#: long poll, a transfer).
-MAX_STREAMS_PER_CONNECTION = 256
-
 
 def max_connections(world_size: int) -> int:
     """Connections the coordinator accepts at once: a few per rank (its calls, its watcher, a
@@ -42,38 +37,9 @@ def max_connections(world_size: int) -> int:
 
 
 def server_options(world_size: int) -> list[tuple[str, Any]]:
-    """gRPC server options, set explicitly: a long-poll server CANCELs calls past ~1,000 parked
-    waiters with the defaults, a second server on the same port must fail, not share it, and
-    what a caller without the token can make the server hold is bounded."""
-    return [
-        ("grpc.so_reuseport", 0),
-        ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.server.max_pending_requests", 1 << 20),
-        ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
-        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
-        ("grpc.max_metadata_size", MAX_METADATA_BYTES),
-        ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
-        ("grpc.max_allowed_incoming_connections", max_connections(world_size)),
-        # A connection that has not finished its HTTP/2 (or TLS) handshake is closed after 10 s,
-        # and one with no call open for 5 minutes is asked to go (a client reconnects on its next call).
-        ("grpc.server_handshake_timeout_ms", 10_000),
-        ("grpc.max_connection_idle_ms", 300_000),
-        # Why no BDP probing, and a fixed 1 MiB window per stream (one chunk in flight): BDP
-        # probing widens every stream's flow-control window, which is what a call refused before
-        # its body was read can still make the server buffer (12 unauthenticated 79 MiB Sets:
-        # +24-35 MB with it on 2 cores, +103 MB on 16; +1-5 MB without).
-        ("grpc.http2.bdp_probe", 0),
-        ("grpc.http2.lookahead_bytes", CHUNK_BYTES),
-        # Why generous: liveness comes from heartbeats and connection loss, not keepalive; an
-        # overloaded peer (thousands of ranks on few cores) must not be cut off for a slow ping ack.
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 20_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
-        ("grpc.http2.max_ping_strikes", 0),
-        ("grpc.http2.max_pings_without_data", 0),
-    ]
+    """gRPC server options, set explicitly (see control_server_options); a few connections per
+    rank (its calls, its watcher, a probe) and room for operators' tools."""
+    return control_server_options(max_connections(world_size))
 
 
 def _parser(message_type: Any) -> Callable[[bytes], Any]:

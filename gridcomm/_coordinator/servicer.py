@@ -314,9 +314,19 @@ class Servicer:
         self._wake(("kv", request.key))
         return pb.SetResponse()
 
+    def _also(self, callers: Any, what: str, now: float | None = None) -> None:
+        """Checks the other ranks of a relay's aggregate (each is seen, as its own call would be)."""
+        if len(callers) > self._state.world_size:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"a {what} for {len(callers)} ranks is more than the job's {self._state.world_size}.")
+        for caller in callers:
+            self._caller(caller, what, now)
+
     async def get(self, request: pb.GetRequest, deadline: float | None) -> pb.GetResponse:
         member = self._caller(request.caller, "get")
-        self.metrics.ops["get"] += 1
+        if request.also:
+            self._also(request.also, "get")
+        self.metrics.ops["get"] += 1 + len(request.also)
         state = self._state
         key = request.key
         value = state.get(key)  # validates the key
@@ -349,9 +359,13 @@ class Servicer:
         now = self._now()
         name, seq = request.name, request.seq
         member = self._caller(request.caller, "barrier", now)
+        if request.also:
+            self._also(request.also, "barrier", now)
         barrier = state.barriers.get(name)
         before = barrier.completed if barrier is not None else 0
         completed = state.arrive(name, member.rank, seq, now, request.participants)
+        for other in request.also:  # a relay's aggregate: the same arrival by its other ranks
+            completed = state.arrive(name, other.rank, seq, now, request.participants)
         barrier = state.barriers[name]
         if completed > before:
             for done_seq in range(before + 1, completed + 1):
@@ -375,6 +389,8 @@ class Servicer:
 
     async def heartbeat(self, request: pb.HeartbeatRequest, deadline: float | None) -> pb.HeartbeatResponse:
         """Long-poll: answered after wait_s or as soon as any rank fails, with every failure."""
+        if request.relayed:
+            return await self._relayed_heartbeat(request, deadline)
         state = self._state
         caller = request.caller
         member = state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, "heartbeat",
@@ -391,6 +407,35 @@ class Servicer:
             # went away (or it merely re-dials). Give it a moment to heartbeat again, then fail it.
             self._loop.call_later(self._owner.connection_grace_s, self._check_lost, member, beat, self.lag.total_s)
             raise
+        return pb.HeartbeatResponse(failures=[failure_pb(f) for f in state.failures], generation=state.generation)
+
+    async def _relayed_heartbeat(self, request: pb.HeartbeatRequest, deadline: float | None) -> pb.HeartbeatResponse:
+        """A relay's heartbeat for the ranks it serves, each with the age of its last heartbeat at
+        the relay. A rank the state refuses (failed, left, replaced) is skipped: the answer's
+        failures say what the relay needs to know. A relay's call that drops fails nobody: its
+        ranks fail over, and each is judged by its own heartbeats."""
+        state = self._state
+        ages = request.also_age_s
+        if len(request.also) != len(ages) or len(request.also) > state.world_size:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"a relayed heartbeat names {len(request.also)} ranks and {len(ages)} ages "
+                        f"(the job has {state.world_size} ranks).")
+        now, lag = self._now(), self.lag.total_s
+        bound = self._owner.heartbeat_timeout_s
+        self.metrics.ops["heartbeat"] += len(ages)
+        for caller, age in zip(request.also, ages, strict=True):
+            try:
+                member = state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation,
+                                            "heartbeat", any_generation=True)
+            except StateError:
+                continue
+            # Why clamped: the age comes off the wire (NaN, negative, absurd).
+            at = now - (min(age, 2 * bound) if age == age and age > 0 else 0.0)
+            if member.last_heartbeat is None or at > member.last_heartbeat:
+                state.heartbeat(member.rank, at, lag)
+                self._wake(("beat", member.rank))
+        await self._wait(("failure",), lambda: state.failed, min(request.wait_s, bound), deadline, "heartbeat",
+                         fail_fast=False)
         return pb.HeartbeatResponse(failures=[failure_pb(f) for f in state.failures], generation=state.generation)
 
     def _check_lost(self, member: Member, beat: float | None, lag_then: float) -> None:

@@ -117,18 +117,20 @@ class SetResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("caller", "key", "wait_s", "offset", "version")
+    __slots__ = ("caller", "key", "wait_s", "offset", "version", "also")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    ALSO_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     key: str
     wait_s: float
     offset: int
     version: int
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., wait_s: _Optional[float] = ..., offset: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    also: _containers.RepeatedCompositeFieldContainer[Caller]
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., wait_s: _Optional[float] = ..., offset: _Optional[int] = ..., version: _Optional[int] = ..., also: _Optional[_Iterable[_Union[Caller, _Mapping]]] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("value", "total_bytes", "version")
@@ -141,18 +143,20 @@ class GetResponse(_message.Message):
     def __init__(self, value: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class BarrierRequest(_message.Message):
-    __slots__ = ("caller", "name", "seq", "wait_s", "participants")
+    __slots__ = ("caller", "name", "seq", "wait_s", "participants", "also")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    ALSO_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     name: str
     seq: int
     wait_s: float
     participants: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., wait_s: _Optional[float] = ..., participants: _Optional[_Iterable[int]] = ...) -> None: ...
+    also: _containers.RepeatedCompositeFieldContainer[Caller]
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., wait_s: _Optional[float] = ..., participants: _Optional[_Iterable[int]] = ..., also: _Optional[_Iterable[_Union[Caller, _Mapping]]] = ...) -> None: ...
 
 class BarrierResponse(_message.Message):
     __slots__ = ("seq",)
@@ -161,12 +165,20 @@ class BarrierResponse(_message.Message):
     def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("caller", "wait_s")
+    __slots__ = ("caller", "wait_s", "also", "also_age_s", "age_s", "relayed")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    ALSO_FIELD_NUMBER: _ClassVar[int]
+    ALSO_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     wait_s: float
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    also: _containers.RepeatedCompositeFieldContainer[Caller]
+    also_age_s: _containers.RepeatedScalarFieldContainer[float]
+    age_s: float
+    relayed: bool
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., wait_s: _Optional[float] = ..., also: _Optional[_Iterable[_Union[Caller, _Mapping]]] = ..., also_age_s: _Optional[_Iterable[float]] = ..., age_s: _Optional[float] = ..., relayed: bool = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("failures", "generation")

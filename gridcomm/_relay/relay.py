@@ -1,0 +1,442 @@
+"""A relay: the coordinator's service for the ranks of one node, carried upstream as aggregates.
+
+Ranks dial the relay exactly as they would dial the coordinator (the same Session stream, the same
+token); the relay holds one Session stream to the coordinator and carries their operations on it:
+
+- the same barrier arrival (name, sequence number, generation) or get (key) of several ranks goes
+  up as one operation naming them all (``also``), and its one answer goes back to each;
+- joins, sets and leaves go up one by one, batched into the stream's messages;
+- a rank's heartbeat is answered by the relay itself (at its wait, or at once when the relay
+  learns of a failure); the relay sends the coordinator one heartbeat for all its ranks every
+  ``bound / 6``, with the age of each one's last heartbeat, so the coordinator judges every rank by
+  its own silence with the same bound. A rank that dies behind a relay is named as fast as one
+  that dials the coordinator directly, within the bound.
+
+If an aggregate is refused, each of its operations is repeated alone, so every rank gets the answer
+its own call would have got. If the stream to the coordinator breaks, the relay ends its ranks'
+streams; each rank repeats what it had in flight as unary calls to the coordinator and goes on
+without the relay (see gridcomm._client.client), as it does when the relay dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from gridcomm import _config
+from gridcomm._client.channel import make_aio_channel
+from gridcomm._errors import ConfigError
+from gridcomm._proto import coordinator_pb2 as pb
+from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from gridcomm._runtime import loop as _eventloop
+from gridcomm._runtime.guard import GuardedServer, control_server_options
+from gridcomm._wire import SERVICE_NAME
+
+log = logging.getLogger(__name__)
+
+_UNDECODABLE = object()
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+_UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+
+
+#: Connections a relay accepts at once: its node's ranks (a few each) and room to spare.
+MAX_RELAY_CONNECTIONS = 4096
+
+
+def _parse_session(data: bytes) -> Any:
+    try:
+        return pb.SessionRequest.FromString(data)
+    except Exception:  # noqa: BLE001 - answered INVALID_ARGUMENT
+        return _UNDECODABLE
+
+
+def _group_key(kind: str, request: Any) -> tuple[Any, ...] | None:
+    """What makes the same operation of several ranks one aggregate (None: it goes up alone)."""
+    if kind == "barrier":
+        caller = request.caller
+        return ("barrier", caller.job_id, caller.generation, request.name, request.seq, tuple(request.participants))
+    if kind == "get" and not request.offset:
+        caller = request.caller
+        return ("get", caller.job_id, caller.generation, request.key)
+    return None
+
+
+class _Child:
+    """One rank's Session stream to this relay: results are written back in batches."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self.context = context
+        self.results: list[pb.SessionResult] = []
+        self.ready = asyncio.Event()
+        self.closed = False
+        self.inflight = 0
+        self.writer: asyncio.Task[None] | None = None
+
+    def answer(self, result: pb.SessionResult) -> None:
+        if self.closed:
+            return
+        self.inflight -= 1
+        self.results.append(result)
+        self.ready.set()
+
+    async def write(self) -> None:
+        while not self.closed:
+            if not self.results:
+                await self.ready.wait()
+                self.ready.clear()
+                continue
+            batch, self.results = self.results, []
+            await self.context.write(pb.SessionReply(results=batch))
+
+
+#: (child, the child's op id, the child's op): who an upstream operation answers.
+_Route = list[tuple[_Child, int, pb.SessionOp]]
+
+
+class Relay:
+    """Serves the Coordinator service to a node's ranks at :attr:`target` and carries their
+    operations to the coordinator at ``upstream`` on one Session stream. Runs on the process's
+    background loop; :meth:`start` returns once it is bound, :meth:`stop` ends it (bounded)."""
+
+    def __init__(self, upstream: str, *, token: str | None = None, tls: _config.TlsFiles | None = None,
+                 bind: str = "127.0.0.1", port: int = 0,
+                 heartbeat_timeout_s: float = _config.DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
+        self.upstream = upstream
+        self._token = token.encode() if token is not None else None
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self._tls = tls
+        self.bind = bind
+        self._requested_port = port
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.port = 0
+        self._server: GuardedServer | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._up: Any = None  # the upstream Session call
+        self._up_tasks: tuple[asyncio.Task[None], ...] = ()
+        self._outbox: list[pb.SessionOp] = []
+        self._has_work: asyncio.Event | None = None
+        self._routes: dict[int, tuple[str, _Route, Callable[[pb.SessionResult], None] | None]] = {}
+        self._next_id = 0
+        self._groups: dict[tuple[Any, ...], _Route] = {}
+        self._children: set[_Child] = set()
+        #: rank -> (its latest caller, when its last heartbeat arrived, loop time)
+        self._beats: dict[int, tuple[pb.Caller, float]] = {}
+        self._beat_waiters: set[asyncio.Future[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._latest = pb.HeartbeatResponse()
+        self._beat_task: asyncio.Task[None] | None = None
+        self._stopped = False
+        #: Operations carried upstream, and how many of them were aggregates of several ranks.
+        self.carried = 0
+        self.aggregated = 0
+
+    @property
+    def target(self) -> str:
+        host = "127.0.0.1" if self.bind in ("0.0.0.0", "::", "") else self.bind
+        return _config.format_target(host, self.port)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, timeout_s: float = 30.0) -> Relay:
+        loop = _eventloop.loop()
+        port = asyncio.run_coroutine_threadsafe(self._start(), loop).result(timeout_s)
+        if not port:
+            raise ConfigError(f"the relay cannot listen on {self.bind}:{self._requested_port}.")
+        return self
+
+    async def _start(self) -> int:
+        self._channel = make_aio_channel(self.upstream, self._tls)
+        credentials = None
+        if self._tls is not None and self._tls.cert is not None and self._tls.key is not None:
+            credentials = grpc.ssl_server_credentials([(self._tls.key, self._tls.cert)], root_certificates=self._tls.ca,
+                                                      require_client_auth=self._tls.require_client_cert)
+        self._server = GuardedServer("relay", _config.format_target(self.bind, self._requested_port),
+                                     control_server_options(MAX_RELAY_CONNECTIONS), self._register, credentials=credentials)
+        self.port = await self._server.start()
+        self._beat_task = asyncio.ensure_future(self._heartbeats())
+        return self.port
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        loop = _eventloop.current()
+        if loop is None:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._stop(), loop).result(timeout_s)
+        except Exception:  # noqa: BLE001 - stopping anyway
+            log.debug("relay: stop did not finish", exc_info=True)
+
+    async def _stop(self) -> None:
+        if self._beat_task is not None:
+            self._beat_task.cancel()
+        for child in list(self._children):
+            child.closed = True
+            child.ready.set()
+        if self._server is not None:
+            await self._server.stop(0.2)
+        self._end_upstream("the relay stopped")
+        if self._channel is not None:
+            await self._channel.close()
+
+    # ------------------------------------------------------------------ serving the ranks
+    def _register(self, server: grpc.aio.Server) -> None:
+        methods = {"Session": grpc.stream_stream_rpc_method_handler(
+            self._session, request_deserializer=_parse_session,
+            response_serializer=pb.SessionReply.SerializeToString)}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, methods),))
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> str | None:
+        if self._token is None:
+            return None
+        supplied = b""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                supplied = value.encode() if isinstance(value, str) else bytes(value)
+                break
+        if hmac.compare_digest(supplied, b"Bearer " + self._token):
+            return None
+        return (f"Session refused by the relay: the {'token is missing' if not supplied else 'token is wrong'}; "
+                "set the same GRIDCOMM_TOKEN (or GRIDCOMM_TOKEN_FILE) on every rank and the coordinator.")
+
+    async def _session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        refused = self._authenticate(context)
+        if refused is not None:
+            await context.abort(_UNAUTHENTICATED, refused)
+        child = _Child(context)
+        self._children.add(child)
+        writer = child.writer = asyncio.ensure_future(child.write())
+        refusal = None
+        try:
+            while True:
+                request = await context.read()
+                if request is grpc.aio.EOF:
+                    break
+                if request is _UNDECODABLE:
+                    refusal = "a Session request is not a valid gridcomm.v1.SessionRequest."
+                    break
+                for op in request.ops:
+                    self._take(child, op)
+            # The rank is done sending: answer what it has in flight (each wait is bounded).
+            while refusal is None and child.inflight > 0 and not child.closed:
+                await asyncio.sleep(0.05)
+            while refusal is None and child.results and not child.closed:
+                await asyncio.sleep(0.01)
+        finally:
+            child.closed = True
+            child.ready.set()
+            self._children.discard(child)
+            # Why the writer ends first: an abort while a reply is being written fails (too many
+            # operations on the call) and leaves the stream hanging.
+            try:
+                await asyncio.wait_for(writer, 5.0)
+            except BaseException:  # noqa: BLE001 - a writer that fails or hangs: go on
+                writer.cancel()
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
+
+    def _take(self, child: _Child, op: pb.SessionOp) -> None:
+        kind = op.WhichOneof("op")
+        child.inflight += 1
+        if kind is None:
+            child.answer(pb.SessionResult(id=op.id, code=_INVALID, details=f"Session operation {op.id} names no operation."))
+            return
+        request = getattr(op, kind)
+        if kind in ("barrier", "get", "heartbeat"):
+            # Why: only the relay speaks for several ranks at once.
+            request.ClearField("also")
+        if kind == "heartbeat":
+            self._child_heartbeat(child, op)
+            return
+        key = _group_key(kind, request)
+        if key is None:
+            self._send(kind, request, [(child, op.id, op)])
+            return
+        group = self._groups.get(key)
+        if group is None:
+            self._groups[key] = [(child, op.id, op)]
+            self._wake_writer()
+        else:
+            group.append((child, op.id, op))
+
+    def _child_heartbeat(self, child: _Child, op: pb.SessionOp) -> None:
+        request = op.heartbeat
+        loop = asyncio.get_running_loop()
+        self._beats[request.caller.rank] = (request.caller, loop.time())
+
+        async def answer() -> None:
+            if not self._latest.failures:
+                fut: asyncio.Future[None] = loop.create_future()
+                self._beat_waiters.add(fut)
+                wait_s = request.wait_s if request.wait_s == request.wait_s and request.wait_s > 0 else 0.0
+                try:
+                    await asyncio.wait_for(fut, min(wait_s, self.heartbeat_timeout_s))
+                except asyncio.TimeoutError:
+                    pass
+                finally:
+                    self._beat_waiters.discard(fut)
+            child.answer(pb.SessionResult(id=op.id, heartbeat=self._latest))
+
+        # Why kept: the loop holds tasks weakly.
+        task = asyncio.ensure_future(answer())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ upstream
+    def _wake_writer(self) -> None:
+        if self._up is None:
+            self._open_upstream()
+        assert self._has_work is not None
+        self._has_work.set()
+
+    def _send(self, kind: str, request: Any, route: _Route,
+              done: Callable[[pb.SessionResult], None] | None = None) -> None:
+        self._next_id += 1
+        op_id = self._next_id
+        self._routes[op_id] = (kind, route, done)
+        self._outbox.append(pb.SessionOp(id=op_id, **{kind: request}))
+        self.carried += 1
+        self._wake_writer()
+
+    def _open_upstream(self) -> None:
+        assert self._channel is not None
+        call = pb_grpc.CoordinatorStub(self._channel).Session(metadata=self._metadata, wait_for_ready=True)
+        self._up = call
+        self._has_work = asyncio.Event()
+        self._up_tasks = (asyncio.ensure_future(self._write_up(call, self._has_work)),
+                          asyncio.ensure_future(self._read_up(call)))
+
+    def _flush_groups(self) -> None:
+        groups, self._groups = self._groups, {}
+        for key, route in groups.items():
+            kind = key[0]
+            first = getattr(route[0][2], kind)
+            if len(route) == 1:
+                self._send(kind, first, route)
+                continue
+            request = type(first)()
+            request.CopyFrom(first)
+            request.wait_s = min(getattr(r[2], kind).wait_s for r in route)
+            request.also.extend(getattr(r[2], kind).caller for r in route[1:])
+            self.aggregated += 1
+            self._send(kind, request, route)
+
+    async def _write_up(self, call: Any, has_work: asyncio.Event) -> None:
+        try:
+            while self._up is call:
+                await has_work.wait()
+                has_work.clear()
+                self._flush_groups()
+                batch, self._outbox = self._outbox, []
+                if batch:
+                    await call.write(pb.SessionRequest(ops=batch))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the stream ended; the relay ends its ranks' streams
+            self._end_upstream(f"writing to the coordinator failed: {exc!r}")
+
+    async def _read_up(self, call: Any) -> None:
+        why = "the coordinator ended the relay's stream"
+        try:
+            async for reply in call:
+                for result in reply.results:
+                    self._route(result)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the stream ended
+            why = f"the relay's stream to the coordinator broke: {exc!r}"
+        self._end_upstream(why)
+
+    def _route(self, result: pb.SessionResult) -> None:
+        entry = self._routes.pop(result.id, None)
+        if entry is None:
+            return
+        kind, route, done = entry
+        if done is not None:
+            done(result)
+            return
+        if result.code and len(route) > 1:
+            # An aggregate refused: each rank's operation alone gets the answer it would have.
+            for child, op_id, op in route:
+                self._send(kind, getattr(op, kind), [(child, op_id, op)])
+            return
+        if kind == "leave" and not result.code:
+            for _child, _op_id, op in route:
+                self._beats.pop(op.leave.caller.rank, None)
+        for child, op_id, _op in route:
+            answer = pb.SessionResult()
+            answer.CopyFrom(result)
+            answer.id = op_id
+            child.answer(answer)
+
+    def _end_upstream(self, why: str) -> None:
+        """The stream to the coordinator is gone: every rank's stream is ended, so each repeats what
+        it had in flight as unary calls to the coordinator (and goes on without this relay)."""
+        call, self._up = self._up, None
+        if call is None:
+            return
+        (log.warning if self._children else log.debug)(
+            "relay %s: %s; its %d ranks go to the coordinator directly", self.target, why, len(self._children))
+        call.cancel()
+        if self._has_work is not None:
+            self._has_work.set()
+        self._routes.clear()
+        self._groups.clear()
+        self._outbox = []
+        for child in list(self._children):
+            child.closed = True
+            child.ready.set()
+            asyncio.ensure_future(self._abort(child, why))
+
+    async def _abort(self, child: _Child, why: str) -> None:
+        try:
+            if child.writer is not None:
+                await asyncio.wait_for(asyncio.shield(child.writer), 5.0)  # it ends: the child is closed
+        except BaseException:  # noqa: BLE001 - abort anyway
+            pass
+        try:
+            await child.context.abort(grpc.StatusCode.UNAVAILABLE, f"relay {self.target}: {why}")
+        except BaseException:  # noqa: BLE001 - abort raises by design; a finished call is fine too
+            pass
+
+    async def _heartbeats(self) -> None:
+        """One heartbeat upstream for every rank of this relay, every bound / 6 (a long-poll: a
+        failure comes back at once)."""
+        loop = asyncio.get_running_loop()
+        period = max(0.05, self.heartbeat_timeout_s / 6)
+        while not self._stopped:
+            if not self._beats:
+                await asyncio.sleep(period)
+                continue
+            now = loop.time()
+            beats = list(self._beats.values())
+            request = pb.HeartbeatRequest(caller=beats[0][0], wait_s=period, relayed=True,
+                                          also=[c for c, _ in beats], also_age_s=[now - t for _, t in beats])
+            answered: asyncio.Future[pb.SessionResult] = loop.create_future()
+
+            def done(result: pb.SessionResult, answered: asyncio.Future[pb.SessionResult] = answered) -> None:
+                if not answered.done():
+                    answered.set_result(result)
+
+            self._send("heartbeat", request, [], done)
+            try:
+                result = await asyncio.wait_for(answered, period + max(1.0, self.heartbeat_timeout_s / 2))
+            except asyncio.TimeoutError:
+                continue
+            if result.code:
+                log.warning("relay %s: the coordinator refused its heartbeat: %s", self.target, result.details)
+                await asyncio.sleep(period)
+                continue
+            self._latest = result.heartbeat
+            if result.heartbeat.failures:
+                waiters, self._beat_waiters = self._beat_waiters, set()
+                for fut in waiters:
+                    if not fut.done():
+                        fut.set_result(None)
+                await asyncio.sleep(period)  # answered at once while failed: keep the pace

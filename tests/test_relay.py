@@ -1,0 +1,160 @@
+"""The relay (gridcomm/_relay): ranks that dial a relay instead of the coordinator.
+
+Real OS processes per rank, a real coordinator, a real relay (in this process, or in a process of
+its own where the test kills it). The ranks are bare clients configured by the environment only
+(GRIDCOMM_RELAY_ADDRESS, as `gridcomm launch` sets it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from gridcomm._proto import coordinator_pb2 as pb
+from gridcomm._relay import Relay
+from tests.support.procs import ROOT, RankProcesses, assert_all_ok, wait_for
+
+TOKEN = "relay-test-token"
+
+RANK = """
+import json, os, sys, time, gridcomm
+c = gridcomm.CoordinatorClient(timeout_s=60)
+c.join()
+if c.rank == 0:
+    c.set("blob", b"x" * 300)
+assert c.get("blob") == b"x" * 300
+n = int(os.environ.get("BARRIERS", "10"))
+pause = float(os.environ.get("PAUSE_S", "0"))
+try:
+    for i in range(n):
+        c.barrier("step")
+        if pause:
+            time.sleep(pause)
+        if i == 0:
+            print("STEP", flush=True)
+    print(json.dumps({"ok": True, "relay": c.relay_target}), flush=True)
+    c.leave()
+except gridcomm.RankFailedError as exc:
+    print(json.dumps({"ok": False, "failed": exc.rank, "error": str(exc)}), flush=True)
+"""
+
+
+def env_for(server, relay_target: str, **extra: str) -> dict[str, str]:
+    return {"GRIDCOMM_HOST": "127.0.0.1", "GRIDCOMM_PORT": str(server.port), "GRIDCOMM_TOKEN": TOKEN,
+            "GRIDCOMM_RELAY_ADDRESS": relay_target, **extra}
+
+
+def last_json(result) -> dict:
+    return json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+
+
+@pytest.mark.timeout(120)
+def test_ranks_reach_the_coordinator_through_a_relay_as_aggregates(coordinator_factory):
+    world = 4
+    server = coordinator_factory(world, token=TOKEN)
+    relay = Relay(server.address, token=TOKEN).start()
+    try:
+        results = RankProcesses(RANK, world, env=env_for(server, relay.target)).wait(90)
+        assert_all_ok(results)
+        for r in results.values():
+            assert last_json(r) == {"ok": True, "relay": relay.target}
+        # Each barrier of the 4 ranks went up as fewer operations than arrivals.
+        assert relay.aggregated > 0 and relay.carried < world * 12
+        assert not server.state.failures
+    finally:
+        relay.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_relay_refuses_a_wrong_token_and_undecodable_bytes(coordinator_factory):
+    server = coordinator_factory(2, token=TOKEN)
+    relay = Relay(server.address, token=TOKEN).start()
+    try:
+        channel = grpc.insecure_channel(relay.target)
+        session = channel.stream_stream("/gridcomm.v1.Coordinator/Session")
+        with pytest.raises(grpc.RpcError) as wrong:
+            list(session(iter([pb.SessionRequest().SerializeToString()]), metadata=(("authorization", "Bearer nope"),),
+                         timeout=10))
+        assert wrong.value.code() == grpc.StatusCode.UNAUTHENTICATED and "token is wrong" in wrong.value.details()
+        with pytest.raises(grpc.RpcError) as garbage:
+            list(session(iter([b"\xff\xff\xff"]), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10))
+        assert garbage.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # An operation that names nothing is answered as the coordinator would, on a stream that stays up.
+        replies = list(session(iter([pb.SessionRequest(ops=[pb.SessionOp(id=7)]).SerializeToString()]),
+                               metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10))
+        result = pb.SessionReply.FromString(replies[0]).results[0]
+        assert result.id == 7 and result.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        channel.close()
+    finally:
+        relay.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_behind_a_relay_is_named_within_the_bound(coordinator_factory):
+    world, bound = 3, 3.0
+    server = coordinator_factory(world, token=TOKEN, heartbeat_timeout_s=bound)
+    relay = Relay(server.address, token=TOKEN, heartbeat_timeout_s=bound).start()
+    ranks = RankProcesses(RANK, world, env=env_for(server, relay.target, BARRIERS="1000", PAUSE_S="0.05"))
+    try:
+        wait_for(lambda: len(server.state.members) == world and server.state.complete, "the rendezvous", 60)
+        time.sleep(1.0)
+        killed_at = time.monotonic()
+        os.kill(ranks.procs[2].pid, signal.SIGKILL)
+        wait_for(lambda: server.state.failures, "rank 2's failure", 4 * bound)
+        named_after = time.monotonic() - killed_at
+        failure = server.state.failures[0]
+        assert failure.rank == 2, failure.reason
+        results = ranks.wait(60)
+        for rank in (0, 1):
+            out = last_json(results[rank])
+            assert out["ok"] is False and out["failed"] == 2, out
+        print(f"\nrank 2 killed behind the relay: named after {named_after:.1f} s (bound {bound:g} s): {failure.reason}")
+        assert named_after < 2 * bound + 3
+    finally:
+        ranks.close()
+        relay.stop()
+
+
+RELAY_PROCESS = """
+import sys, time, gridcomm
+from gridcomm._relay import Relay
+relay = Relay(sys.argv[1], token=sys.argv[2]).start()
+print(relay.target, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_when_the_relay_dies_its_ranks_go_on_with_the_coordinator(coordinator_factory):
+    world = 3
+    server = coordinator_factory(world, token=TOKEN)
+    relay = subprocess.Popen([sys.executable, "-c", RELAY_PROCESS, server.address, TOKEN], stdout=subprocess.PIPE,
+                             text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    ranks = None
+    try:
+        target = relay.stdout.readline().strip()
+        assert target, "the relay process did not start"
+        ranks = RankProcesses(RANK, world, env=env_for(server, target, BARRIERS="60", PAUSE_S="0.1"))
+        wait_for(lambda: server.state.complete, "the rendezvous", 60)
+        time.sleep(1.0)
+        relay.kill()
+        results = ranks.wait(90)
+        assert_all_ok(results)
+        for r in results.values():
+            out = last_json(r)
+            # Every rank finished all its barriers, now without the relay; nobody was failed.
+            assert out == {"ok": True, "relay": None}, out
+        assert not server.state.failures, [f.reason for f in server.state.failures]
+    finally:
+        if ranks is not None:
+            ranks.close()
+        if relay.poll() is None:
+            relay.kill()
+        relay.wait(10)
