@@ -51,7 +51,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RANK_COUNTS = (8, 32, 128, 256, 512, 2048, 8192, 16384)
 DEFAULT_RANKS = (8, 32, 128, 512, 2048)
-PEER_NAMES = ("gridcomm", "gridcomm+relay", "torch", "jax", "cupyx")
+PEER_NAMES = ("gridcomm", "gridcomm-direct", "gridcomm+agent", "torch", "jax", "cupyx")
 BLOB = bytes(range(128))
 BLOB_KEY = "bench/blob"
 #: Up to this many ranks each rank is an OS process; above it, PROCESSES processes of threads.
@@ -127,16 +127,25 @@ class GridcommPeer(Peer):
         client.leave()
 
 
+class GridcommDirectPeer(GridcommPeer):
+    """gridcomm without the relay tree (GRIDCOMM_RELAY=off): every rank's stream to the coordinator."""
+
+    name = "gridcomm-direct"
+
+    def start_process(self, port: int, world: int, timeout_s: float) -> None:
+        os.environ["GRIDCOMM_RELAY"] = "off"
+
+
 class GridcommRelayPeer(GridcommPeer):
     """gridcomm with a relay per rank process, as `GRIDCOMM_RELAY=on gridcomm launch` hosts one per
     node: each rank still has a connection of its own, to its node's relay; the coordinator sees one
     stream per relay (32 above 128 ranks)."""
 
-    name = "gridcomm+relay"
+    name = "gridcomm+agent"
     relay: Any = None
 
     def start_process(self, port: int, world: int, timeout_s: float) -> None:
-        from gridcomm._relay import Relay
+        from gridcomm._client.relay import Relay
         self.relay = Relay(f"127.0.0.1:{port}").start()
 
     def connect(self, port: int, rank: int, world: int, timeout_s: float) -> Any:
@@ -266,7 +275,7 @@ class CupyxPeer(Peer):
 
 
 PEERS: dict[str, Callable[[], Peer]] = {
-    "gridcomm": GridcommPeer, "gridcomm+relay": GridcommRelayPeer, "torch": TorchPeer, "jax": JaxPeer, "cupyx": CupyxPeer,
+    "gridcomm": GridcommPeer, "gridcomm-direct": GridcommDirectPeer, "gridcomm+agent": GridcommRelayPeer, "torch": TorchPeer, "jax": JaxPeer, "cupyx": CupyxPeer,
 }
 
 

@@ -1,4 +1,4 @@
-"""The relay (gridcomm/_relay): ranks that dial a relay instead of the coordinator.
+"""The relay (gridcomm/_client/relay.py): ranks that dial a relay instead of the coordinator.
 
 Real OS processes per rank, a real coordinator, a real relay (in this process, or in a process of
 its own where the test kills it). The ranks are bare clients configured by the environment only
@@ -17,8 +17,8 @@ import time
 import grpc
 import pytest
 
+from gridcomm._client.relay import Relay
 from gridcomm._proto import coordinator_pb2 as pb
-from gridcomm._relay import Relay
 from tests.support.procs import ROOT, RankProcesses, assert_all_ok, wait_for
 
 TOKEN = "relay-test-token"
@@ -124,7 +124,7 @@ def test_a_rank_killed_behind_a_relay_is_named_within_the_bound(coordinator_fact
 
 RELAY_PROCESS = """
 import sys, time, gridcomm
-from gridcomm._relay import Relay
+from gridcomm._client.relay import Relay
 relay = Relay(sys.argv[1], token=sys.argv[2]).start()
 print(relay.target, flush=True)
 time.sleep(600)
@@ -158,3 +158,73 @@ def test_when_the_relay_dies_its_ranks_go_on_with_the_coordinator(coordinator_fa
         if relay.poll() is None:
             relay.kill()
         relay.wait(10)
+
+
+TREE_WORKER = """
+import json, os, threading, time, gridcomm
+proc = int(os.environ["GRIDCOMM_RANK"]); threads = int(os.environ["THREADS"]); world = int(os.environ["WORLD"])
+port = int(os.environ["PORT"])
+clients = [gridcomm.CoordinatorClient("127.0.0.1", port, proc * threads + t, world, token=os.environ["TOKEN"],
+                                      timeout_s=60) for t in range(threads)]
+out = {}
+def run(c):
+    try:
+        c.join()
+        if c.rank == 0:
+            c.set("blob", b"b" * 100)
+        assert c.get("blob") == b"b" * 100
+        for i in range(int(os.environ["BARRIERS"])):
+            c.barrier("tree")
+            time.sleep(float(os.environ["PAUSE_S"]))
+        out[c.rank] = {"ok": True, "relayed": c.relay_target is not None, "hosts": c.relay is not None}
+        c.leave()
+    except gridcomm.RankFailedError as exc:
+        out[c.rank] = {"ok": False, "failed": exc.rank}
+    except Exception as exc:
+        out[c.rank] = {"ok": False, "error": repr(exc)[:300]}
+ts = [threading.Thread(target=run, args=(c,)) for c in clients]
+[t.start() for t in ts]
+print("JOINING", flush=True)
+[t.join(120) for t in ts]
+print(json.dumps(out), flush=True)
+"""
+
+
+def tree(server, procs: int, threads: int, barriers: int, pause_s: float) -> RankProcesses:
+    return RankProcesses(TREE_WORKER, procs, env={
+        "PORT": str(server.port), "THREADS": str(threads), "WORLD": str(procs * threads), "TOKEN": TOKEN,
+        "BARRIERS": str(barriers), "PAUSE_S": str(pause_s), "GRIDCOMM_RELAY": "on", "GRIDCOMM_RELAY_FANIN": "8"})
+
+
+@pytest.mark.timeout(120)
+def test_the_relay_tree_carries_every_group_through_its_first_rank(coordinator_factory):
+    procs, threads = 4, 8
+    server = coordinator_factory(procs * threads, token=TOKEN)
+    results = tree(server, procs, threads, 10, 0.0).wait(100)
+    assert_all_ok(results)
+    out = {int(k): v for r in results.values() for k, v in last_json(r).items()}
+    assert len(out) == 32 and all(v["ok"] for v in out.values()), out
+    # Ranks 0, 8, 16, 24 host their group's relay and dial the coordinator; the rest go through it.
+    assert {r for r, v in out.items() if v["hosts"]} == {0, 8, 16, 24}
+    assert all(v["relayed"] == (r % 8 != 0) for r, v in out.items())
+    assert not server.state.failures
+
+
+@pytest.mark.timeout(120)
+def test_a_relay_of_the_tree_dies_with_its_rank_and_that_rank_is_named(coordinator_factory):
+    procs, threads, bound = 4, 8, 3.0
+    server = coordinator_factory(procs * threads, token=TOKEN, heartbeat_timeout_s=bound)
+    ranks = tree(server, procs, threads, 1000, 0.05)
+    try:
+        wait_for(lambda: server.state.complete, "the rendezvous", 60)
+        time.sleep(1.5)
+        os.kill(ranks.procs[1].pid, signal.SIGKILL)  # ranks 8..15: rank 8 hosts their relay
+        results = ranks.wait(60)
+        failed = {f.rank for f in server.state.failures}
+        assert failed and failed <= set(range(8, 16)), [f.reason for f in server.state.failures]
+        for proc in (0, 2, 3):
+            out = last_json(results[proc])
+            # Every other rank, whether it went through a relay or not, learns of the failure.
+            assert all(not v["ok"] and 8 <= v.get("failed", -1) < 16 for v in out.values()), out
+    finally:
+        ranks.close()

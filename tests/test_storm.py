@@ -42,7 +42,7 @@ def run(c):
                 c.set(f"go/{n}", b"1" if time.monotonic() - started < hold_s else b"0")
             if n % 4 == 0 and c.get(f"go/{n}") == b"0":
                 break
-        passed[c.rank] = n
+        passed[c.rank] = (n, c.relay_target is not None)
         c.leave()
     except Exception as exc:
         errors.append(f"rank {c.rank}: {type(exc).__name__}: {exc}"[:600])
@@ -54,12 +54,16 @@ print(json.dumps({"errors": errors[:5], "n_errors": len(errors), "passed": passe
 
 
 @pytest.mark.timeout(400)
-def test_a_saturated_coordinator_fails_no_live_rank(coordinator_factory):
+@pytest.mark.parametrize("relay", ["off", "auto"])
+def test_a_saturated_coordinator_fails_no_live_rank(coordinator_factory, relay):
+    """``off``: every rank's stream to the coordinator (the shape that failed every rank at 2,048);
+    ``auto``: the relay tree that 1,024 ranks get by default (32 relays of 32)."""
     world = PROCS * THREADS
     server = coordinator_factory(world)  # the default liveness bound
     assert server.heartbeat_timeout_s == _config.DEFAULT_HEARTBEAT_TIMEOUT_S
     results = RankProcesses(WORKER, PROCS, env={"PORT": str(server.port), "THREADS": str(THREADS),
-                                                "WORLD": str(world), "HOLD_S": str(HOLD_S)}).wait(380)
+                                                "WORLD": str(world), "HOLD_S": str(HOLD_S),
+                                                "GRIDCOMM_RELAY": relay}).wait(380)
     assert_all_ok(results)
     passed: dict[int, int] = {}
     errors = []
@@ -69,11 +73,14 @@ def test_a_saturated_coordinator_fails_no_live_rank(coordinator_factory):
         passed.update({int(k): v for k, v in data["passed"].items()})
     assert not errors, errors
     assert not server.state.failures, [f.reason for f in server.state.failures[:3]]
-    assert len(passed) == world and len(set(passed.values())) == 1, sorted(set(passed.values()))
+    assert len(passed) == world and len({n for n, _ in passed.values()}) == 1, sorted(set(passed.values()))
+    through_relay = sum(relayed for _, relayed in passed.values())
+    # auto: every rank but the 32 that host a relay (ranks 0, 32, ...) went through one.
+    assert through_relay == (0 if relay == "off" else world - world // _config.DEFAULT_RELAY_FANIN), through_relay
     # The liveness machinery was live the whole time: every rank heartbeat, so a silent one
     # would have been failed.
     assert all(m.last_heartbeat is not None for m in server.state.members.values())
     lag = server._servicer.lag if server._servicer is not None else None
-    print(f"\n{world} ranks, {next(iter(passed.values()))} barriers in ~{HOLD_S:.0f} s; coordinator lag "
+    print(f"\n{world} ranks (relay {relay}), {next(iter(passed.values()))[0]} barriers in ~{HOLD_S:.0f} s; coordinator lag "
           f"{lag.total_s:.1f} s in all, worst {lag.worst_s:.2f} s" if lag else "")
     assert server.wait_all_left(30)

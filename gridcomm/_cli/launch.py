@@ -72,7 +72,7 @@ def launch(nproc: int, command: Sequence[str], backend: str | None = None,
     if _config.relay_mode(env_in) == "on":
         # The node agent's relay: the ranks started here reach the coordinator (in rank 0) through
         # it, on one connection, the same operation of several ranks as one.
-        from gridcomm._relay import Relay
+        from gridcomm._client.relay import Relay
 
         relay = Relay(_config.format_target("127.0.0.1", port), token=_config.token(None, env_in),
                       tls=_config.tls(env_in), heartbeat_timeout_s=_config.heartbeat_timeout_s(None, env_in)).start()

@@ -134,9 +134,13 @@ class CoordinatorClient:
         self._stub_: pb_grpc.CoordinatorStub | None = None
         self._session: _session.Session | None = None
         self._aio: grpc.aio.Channel | None = None
-        #: The relay the Session stream dials (GRIDCOMM_RELAY_ADDRESS), until it is found gone.
+        #: The relay the Session stream dials (GRIDCOMM_RELAY_ADDRESS, or the tree's after the
+        #: join), until it is found gone.
         self.relay_target = settings.relay
         self._relay_aio: grpc.aio.Channel | None = None
+        #: The relay this rank hosts for its group of the tree (see _tree), once joined.
+        self.relay: Any = None
+        self._relay_rank: int | None = None
         self._closed = False
         self._barrier_seq: dict[str, int] = {}
         self._joined = False
@@ -240,8 +244,30 @@ class CoordinatorClient:
             raise _progress.timed_out(what, total, timeout) from timeout
 
     # ------------------------------------------------------------------ API
+    def _tree(self) -> None:
+        """The relay tree (GRIDCOMM_RELAY, GRIDCOMM_RELAY_FANIN): rank ``k x fanin`` hosts a relay
+        for its group and joins directly; the others join directly too (the join is where they
+        learn where their relay is) and then move their stream to it."""
+        settings = self.settings
+        if self.relay_target is not None or self.session_mode == "off" or settings.relay_mode == "off":
+            return  # a node agent's relay (gridcomm launch), or none
+        if settings.relay_mode == "auto" and self.world_size < _config.RELAY_AUTO_WORLD:
+            return
+        leader = self.rank - self.rank % settings.relay_fanin
+        if leader != self.rank:
+            self._relay_rank = leader
+            return
+        if leader + 1 >= self.world_size or self.relay is not None:
+            return  # a group of one: nobody to relay for
+        from gridcomm._client.relay import Relay
+        from gridcomm._runtime.address import local_address
+
+        self.relay = Relay(self.target, token=settings.token, tls=self.tls, bind=local_address(self.host)).start()
+
     def join(self, timeout_s: float | None = None) -> int:
         """Registers this rank and waits until every rank has joined; returns the generation."""
+        self._tree()
+
         def attempt(wait_s: float, call_s: float) -> pb.JoinResponse:
             return self._op("join", self._join_request(wait_s), f"rank {self.rank}: join", call_s,
                             wait_for_ready=True)
@@ -287,7 +313,9 @@ class CoordinatorClient:
         of the next one (``recovery``)."""
         return pb.JoinRequest(job_id=self.job_id, rank=self.rank, world_size=self.world_size,
                               incarnation=self.incarnation, hostname=self.hostname, wait_s=wait_s,
-                              generation=generation, recovery=recovery)  # type: ignore[arg-type]
+                              generation=generation, recovery=recovery,  # type: ignore[arg-type]
+                              relay_address=self.relay.target if self.relay is not None else "",
+                              wants_relay=self._relay_rank is not None, relay_rank=self._relay_rank or 0)
 
     def _enter(self, response: pb.JoinResponse) -> None:
         """Takes the generation a join or a recovery answered: its number and members; barrier
@@ -297,6 +325,31 @@ class CoordinatorClient:
             self.members = tuple(response.member_ranks) or tuple(range(self.world_size))
             self.failure = None
         self._barrier_seq = {}
+        if self.relay is not None:
+            self.relay.heartbeat_timeout_s = response.heartbeat_timeout_s or self.relay.heartbeat_timeout_s
+        if response.relay_address and response.relay_address != self.relay_target:
+            self._move_to_relay(response.relay_address)
+
+    def _move_to_relay(self, target: str) -> None:
+        """After the join: this rank's stream goes to its group's relay from now on, and its
+        connection to the coordinator is closed (its unary calls open one again if needed)."""
+        self.relay_target = target
+        session, self._session = self._session, None
+        channel, self._aio = self._aio, None
+        running = _eventloop.current()
+        if running is None or (session is None and channel is None):
+            return
+
+        async def close_direct() -> None:
+            if session is not None:
+                await session.close()
+            if channel is not None:
+                await channel.close()
+
+        try:
+            asyncio.run_coroutine_threadsafe(close_direct(), running)
+        except RuntimeError:
+            pass  # the loop closed meanwhile (interpreter exit)
 
     def watched(self, error: GridcommError, generation: int) -> None:
         """From the watcher: a failure of ``generation``. The first of the current generation is
@@ -469,6 +522,9 @@ class CoordinatorClient:
         """Closes the channel without leaving (idempotent)."""
         self._closed = True
         self.stop_watching()
+        relay, self.relay = self.relay, None
+        if relay is not None:
+            relay.stop_when_idle()
         channel, self._channel = self._channel, None
         if channel is not None:
             channel.close()

@@ -153,6 +153,7 @@ class Watcher:
 
     async def _beat(self, stub: pb_grpc.CoordinatorStub, request: pb.HeartbeatRequest,
                     call_s: float) -> pb.HeartbeatResponse:
+        timeout_s = self._client.heartbeat_timeout_s
         """One heartbeat: an operation on the client's Session stream (a message on a stream
         the coordinator already serves; a unary call per heartbeat is a new call for it to set
         up, and at 2,048 ranks those calls waited behind the streams' traffic for longer than
@@ -163,10 +164,11 @@ class Watcher:
             try:
                 if not session.relay:
                     return await session.run("heartbeat", request, call_s)
-                # Why a short deadline: the relay answers at the wait (it is near, and does not
+                # Why a shorter deadline: the relay answers at the wait (it is near, and does not
                 # wait on the coordinator to); one that does not is hung or cut off, and this
-                # rank must reach the coordinator directly before the bound names it silent.
-                return await session.run("heartbeat", request, request.wait_s + 2.0)
+                # rank must reach the coordinator directly before the bound names it silent
+                # (the coordinator last heard of it from the relay up to bound / 6 before that).
+                return await session.run("heartbeat", request, request.wait_s + max(2.0, timeout_s / 4))
             except StreamBroken as exc:
                 log.debug("rank %d: %s; heartbeat as a unary call", self._client.rank, exc)
             except grpc.RpcError as exc:

@@ -9,13 +9,14 @@ from typing import Any
 
 from gridcomm import _config
 from gridcomm._backends.base import Hooks
-from gridcomm._backends.host.plane import PlaneConfig, local_address
+from gridcomm._backends.host.plane import PlaneConfig
 from gridcomm._client.client import CoordinatorClient
 from gridcomm._communicator.communicator import Communicator, build_backend
 from gridcomm._config.settings import CoordinatorSettings, Settings
 from gridcomm._coordinator.server import Coordinator
 from gridcomm._errors import ConfigError, GridcommError
 from gridcomm._runtime import health as _health
+from gridcomm._runtime.address import local_address
 from gridcomm._runtime.health import ProcessHealth
 from gridcomm._wire import shown_generation
 

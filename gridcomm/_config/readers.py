@@ -257,9 +257,20 @@ def session_mode(explicit: str | None = None, environ: Mapping[str, str] | None 
 RELAY_MODES = ("auto", "on", "off")
 
 
+#: From this world size on, GRIDCOMM_RELAY=auto builds the relay tree.
+RELAY_AUTO_WORLD = 256
+DEFAULT_RELAY_FANIN = 32
+
+
+def relay_fanin(environ: Mapping[str, str] | None = None) -> int:
+    """GRIDCOMM_RELAY_FANIN: ranks per relay of the tree (the relay's own rank included)."""
+    found = _first(_env(environ), ("GRIDCOMM_RELAY_FANIN",))
+    return DEFAULT_RELAY_FANIN if found is None else _parse_int(found[0], found[1], minimum=2, maximum=4096)
+
+
 def relay_mode(environ: Mapping[str, str] | None = None) -> str:
-    """GRIDCOMM_RELAY: whether ``gridcomm launch`` hosts a relay for its ranks (``auto``: off;
-    ``on``: every rank it starts reaches the coordinator through it)."""
+    """GRIDCOMM_RELAY: the relay tree (``auto``: from RELAY_AUTO_WORLD ranks on; ``on``: at any
+    size, and ``gridcomm launch`` hosts a relay for the ranks it starts; ``off``: never)."""
     found = _first(_env(environ), ("GRIDCOMM_RELAY",))
     value = found[1].strip().lower() if found else "auto"
     if value not in RELAY_MODES:

@@ -50,9 +50,11 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("GRIDCOMM_SESSION", "`client`, `off`", "`client`",
              "how calls travel: a Session stream per client, or one unary RPC per call (`process` was removed)",
              "`session=`"),
-    Variable("GRIDCOMM_RELAY", "`auto`, `on`, `off`", "`auto` (off)",
-             "`on`: `gridcomm launch` hosts a relay that carries its ranks' control traffic to the coordinator on one "
-             "connection, the same operation of several ranks as one"),
+    Variable("GRIDCOMM_RELAY", "`auto`, `on`, `off`", "`auto` (on from 256 ranks)",
+             "the relay tree: rank `k x FANIN` hosts a relay for its group; the others' streams go to it after the "
+             "join, and it carries their barriers, gets and heartbeats to the coordinator as aggregates; `on` also "
+             "makes `gridcomm launch` host one for the ranks it starts"),
+    Variable("GRIDCOMM_RELAY_FANIN", "int >= 2", "32", "ranks per relay of the tree (its own rank included)"),
     Variable("GRIDCOMM_RELAY_ADDRESS", "host:port", "none (the coordinator)",
              "the relay a rank's Session stream dials (set by `gridcomm launch`); its unary calls, and everything "
              "once the relay is gone, go to the coordinator"),

@@ -37,6 +37,9 @@ class ClientSettings:
     session: str
     #: The relay this rank's Session stream dials (GRIDCOMM_RELAY_ADDRESS), or None: the coordinator.
     relay: str | None = None
+    #: The relay tree: GRIDCOMM_RELAY and GRIDCOMM_RELAY_FANIN.
+    relay_mode: str = "auto"
+    relay_fanin: int = readers.DEFAULT_RELAY_FANIN
 
     @classmethod
     def resolve(cls, host: str | None = None, port: int | None = None, rank: int | None = None,
@@ -49,7 +52,8 @@ class ClientSettings:
         return cls(host=dial_host, port=dial_port, rank=me, world_size=size, token=readers.token(token, environ),
                    tls=tls if tls is not None else readers.tls(environ), timeout_s=readers.timeout_s(timeout_s, environ),
                    job_id=readers.job_id(job_id, environ), session=readers.session_mode(session, environ),
-                   relay=readers.relay_address(relay, environ))
+                   relay=readers.relay_address(relay, environ), relay_mode=readers.relay_mode(environ),
+                   relay_fanin=readers.relay_fanin(environ))
 
     @property
     def target(self) -> str:

@@ -76,6 +76,8 @@ class Servicer:
         self.metrics = owner.metrics
         #: This loop's own lag, which liveness does not count as the ranks' silence.
         self.lag = LagMeter()
+        #: The relay tree: rank -> (incarnation, HOST:PORT) of the relay its process hosts.
+        self._relays: dict[int, tuple[int, str]] = {}
 
     @property
     def world_size(self) -> int:
@@ -209,7 +211,13 @@ class Servicer:
                         f"{request.recovery}.")
         mode = _MODES[request.recovery]
         base = request.generation
+        address = request.relay_address
+        if address and (len(address) > 300 or ":" not in address or any(c.isspace() for c in address)):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"join of rank {request.rank}: relay address "
+                        f"{address[:80]!r} is not HOST:PORT.")
         completed = await self._enter(request, base, mode, deadline)
+        if address:
+            self._relays[request.rank] = (request.incarnation, address)
         if not completed and state.refuses_waiting_replacements():
             self._wake(("join",))  # replacements that wait learn that they are not admitted
         if completed:
@@ -224,7 +232,7 @@ class Servicer:
             self._wake(("join",))
         answer = state.join_answer(request.rank, request.incarnation, base)
         if answer == "joined":
-            return self._joined(request.rank)
+            return self._joined(request)
         if answer == "recovery":
             return await self._await_recovery(request, base, deadline)
         member = state.members[request.rank]
@@ -238,11 +246,22 @@ class Servicer:
                         f"{len(missing)} of {state.world_size} ranks have not joined: {bounded(missing)}"
                         + self.metrics.refusal_note(missing),  # a missing rank that was refused says why
                         ((MISSING_KEY, ranks_text(missing)),))
-        return self._joined(request.rank)
+        return self._joined(request)
 
-    def _joined(self, rank: int) -> pb.JoinResponse:
+    def _relay_of(self, request: pb.JoinRequest) -> str:
+        """Where the relay of a joining rank's group is ('' when it has none: dial the coordinator)."""
+        host = request.relay_rank
+        if not request.wants_relay or host == request.rank or not 0 <= host < self._state.world_size:
+            return ""
+        entry = self._relays.get(host)
+        member = self._state.members.get(host)
+        if entry is None or member is None or member.incarnation != entry[0] or self._state.gone(member):
+            return ""
+        return entry[1]
+
+    def _joined(self, request: pb.JoinRequest) -> pb.JoinResponse:
         state = self._state
-        member = state.members.get(rank)
+        member = state.members.get(request.rank)
         if member is not None:
             state.answered(member, self._now(), self.lag.total_s)
         # Members are not sent: O(world size) per join is O(world size^2) per rendezvous; Status
@@ -250,7 +269,8 @@ class Servicer:
         active = state.active
         return pb.JoinResponse(generation=state.generation, world_size=state.world_size,
                                heartbeat_timeout_s=self._owner.heartbeat_timeout_s,
-                               member_ranks=active if len(active) < state.world_size else ())
+                               member_ranks=active if len(active) < state.world_size else (),
+                               relay_address=self._relay_of(request))
 
     async def _enter(self, request: pb.JoinRequest, base: int, mode: str | None, deadline: float | None) -> bool:
         """Registers the join with the state. A new process for a rank whose predecessor still
@@ -299,7 +319,7 @@ class Servicer:
                         f"the recovery of generation {shown_generation(base)} waits for {len(missing)} rank(s): {bounded(missing)} "
                         "(survivors that have not called it, or failed ranks without a replacement)",
                         ((MISSING_KEY, ranks_text(missing)),))
-        return self._joined(request.rank)
+        return self._joined(request)
 
     async def set(self, request: pb.SetRequest, deadline: float | None) -> pb.SetResponse:
         member = self._caller(request.caller, "set")

@@ -65,7 +65,7 @@ class Failure(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., reason: _Optional[str] = ..., at_unix_s: _Optional[float] = ..., reported_by: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "incarnation", "hostname", "wait_s", "generation", "recovery")
+    __slots__ = ("job_id", "rank", "world_size", "incarnation", "hostname", "wait_s", "generation", "recovery", "relay_address", "wants_relay", "relay_rank")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,9 @@ class JoinRequest(_message.Message):
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WANTS_RELAY_FIELD_NUMBER: _ClassVar[int]
+    RELAY_RANK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -82,21 +85,26 @@ class JoinRequest(_message.Message):
     wait_s: float
     generation: int
     recovery: Recovery
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., hostname: _Optional[str] = ..., wait_s: _Optional[float] = ..., generation: _Optional[int] = ..., recovery: _Optional[_Union[Recovery, str]] = ...) -> None: ...
+    relay_address: str
+    wants_relay: bool
+    relay_rank: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., hostname: _Optional[str] = ..., wait_s: _Optional[float] = ..., generation: _Optional[int] = ..., recovery: _Optional[_Union[Recovery, str]] = ..., relay_address: _Optional[str] = ..., wants_relay: bool = ..., relay_rank: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("generation", "world_size", "members", "heartbeat_timeout_s", "member_ranks")
+    __slots__ = ("generation", "world_size", "members", "heartbeat_timeout_s", "member_ranks", "relay_address")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MEMBER_RANKS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     world_size: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
     heartbeat_timeout_s: float
     member_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., heartbeat_timeout_s: _Optional[float] = ..., member_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    relay_address: str
+    def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., heartbeat_timeout_s: _Optional[float] = ..., member_ranks: _Optional[_Iterable[int]] = ..., relay_address: _Optional[str] = ...) -> None: ...
 
 class SetRequest(_message.Message):
     __slots__ = ("caller", "key", "value", "total_bytes", "offset")
@@ -165,20 +173,18 @@ class BarrierResponse(_message.Message):
     def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("caller", "wait_s", "also", "also_age_s", "age_s", "relayed")
+    __slots__ = ("caller", "wait_s", "also", "also_age_s", "relayed")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     ALSO_FIELD_NUMBER: _ClassVar[int]
     ALSO_AGE_S_FIELD_NUMBER: _ClassVar[int]
-    AGE_S_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     wait_s: float
     also: _containers.RepeatedCompositeFieldContainer[Caller]
     also_age_s: _containers.RepeatedScalarFieldContainer[float]
-    age_s: float
     relayed: bool
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., wait_s: _Optional[float] = ..., also: _Optional[_Iterable[_Union[Caller, _Mapping]]] = ..., also_age_s: _Optional[_Iterable[float]] = ..., age_s: _Optional[float] = ..., relayed: bool = ...) -> None: ...
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., wait_s: _Optional[float] = ..., also: _Optional[_Iterable[_Union[Caller, _Mapping]]] = ..., also_age_s: _Optional[_Iterable[float]] = ..., relayed: bool = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("failures", "generation")

@@ -77,7 +77,7 @@ class PlaneConfig:
 
     token: str | None
     tls: _config.TlsFiles | None
-    #: The address this rank listens on and publishes (see :func:`local_address`).
+    #: The address this rank listens on and publishes (see :func:`gridcomm._runtime.address.local_address`).
     host: str
     #: Bound on one call (``GRIDCOMM_TIMEOUT_S``).
     timeout_s: float
@@ -86,28 +86,6 @@ class PlaneConfig:
     verdict_s: float
     #: Whether ranks of one host may exchange through /dev/shm (GRIDCOMM_SHM).
     shm: bool = True
-
-
-def local_address(route_host: str, explicit: str | None = None) -> str:
-    """The address of this host on the route to ``route_host`` (the coordinator): what the peers
-    can reach. Found by connecting a UDP socket (no packet is sent); if the name does not resolve
-    (a headless Service's own record can lag behind its pod), this host's own name is tried, then
-    loopback. ``explicit`` (``GRIDCOMM_DATA_HOST``) wins."""
-    if explicit:
-        return explicit
-    for name in (route_host, socket.gethostname()):
-        try:
-            infos = socket.getaddrinfo(name, 9, type=socket.SOCK_DGRAM)
-        except OSError:
-            continue
-        for family, _, _, _, sockaddr in infos:
-            try:
-                with socket.socket(family, socket.SOCK_DGRAM) as probe:
-                    probe.connect(sockaddr)
-                    return str(probe.getsockname()[0])
-            except OSError:
-                continue
-    return "127.0.0.1"
 
 
 # ---------------------------------------------------------------------------------------------- plane

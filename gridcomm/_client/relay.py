@@ -173,6 +173,26 @@ class Relay:
         except Exception:  # noqa: BLE001 - stopping anyway
             log.debug("relay: stop did not finish", exc_info=True)
 
+    def stop_when_idle(self, grace_s: float = 10.0) -> None:
+        """Stops once none of its ranks is connected, or after ``grace_s`` (its rank is done, but
+        the others of its group may still be leaving through it). Returns at once."""
+        loop = _eventloop.current()
+        if loop is None or self._stopped:
+            return
+
+        async def later() -> None:
+            deadline = loop.time() + grace_s
+            while self._children and loop.time() < deadline:
+                await asyncio.sleep(0.1)
+            if not self._stopped:
+                self._stopped = True
+                await self._stop()
+
+        try:
+            asyncio.run_coroutine_threadsafe(later(), loop)
+        except RuntimeError:
+            pass  # the loop closed meanwhile (interpreter exit)
+
     async def _stop(self) -> None:
         if self._beat_task is not None:
             self._beat_task.cancel()
@@ -409,8 +429,9 @@ class Relay:
         """One heartbeat upstream for every rank of this relay, every bound / 6 (a long-poll: a
         failure comes back at once)."""
         loop = asyncio.get_running_loop()
-        period = max(0.05, self.heartbeat_timeout_s / 6)
         while not self._stopped:
+            # Read afresh: a rank hosting a relay learns the job's bound from its join's answer.
+            period = max(0.05, self.heartbeat_timeout_s / 6)
             if not self._beats:
                 await asyncio.sleep(period)
                 continue
@@ -430,7 +451,8 @@ class Relay:
             except asyncio.TimeoutError:
                 continue
             if result.code:
-                log.warning("relay %s: the coordinator refused its heartbeat: %s", self.target, result.details)
+                (log.debug if result.code == _UNAVAILABLE else log.warning)(
+                    "relay %s: the coordinator refused its heartbeat: %s", self.target, result.details)
                 await asyncio.sleep(period)
                 continue
             self._latest = result.heartbeat
