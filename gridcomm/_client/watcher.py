@@ -127,6 +127,10 @@ class Watcher:
                 # as a dead process after its short grace. An overloaded but live rank (256
                 # processes on 2 cores, make bench) was failed that way with ``interval + 1``.
                 call_s = interval + max(1.0, timeout_s / 2)
+                # Why bounded by what is left of the bound: a heartbeat on a stream that has to be
+                # opened again waits for the coordinator (wait_for_ready); a coordinator that is
+                # gone must still be noticed within the bound, not a call's deadline after it.
+                call_s = min(call_s, max(0.2, timeout_s - (time.monotonic() - last_ok) + 0.1))
                 try:
                     reply = await self._beat(stub, request, call_s)
                 except grpc.RpcError as exc:
@@ -168,7 +172,7 @@ class Watcher:
                 # wait on the coordinator to); one that does not is hung or cut off, and this
                 # rank must reach the coordinator directly before the bound names it silent
                 # (the coordinator last heard of it from the relay up to bound / 6 before that).
-                return await session.run("heartbeat", request, request.wait_s + max(2.0, timeout_s / 4))
+                return await session.run("heartbeat", request, min(call_s, request.wait_s + max(2.0, timeout_s / 4)))
             except StreamBroken as exc:
                 log.debug("rank %d: %s; heartbeat as a unary call", self._client.rank, exc)
             except grpc.RpcError as exc:
