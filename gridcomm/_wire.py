@@ -4,6 +4,7 @@ import this, never the server's."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable
 
@@ -71,8 +72,9 @@ def without_repeat(what: str, details: str) -> str:
 
 
 def ranks_text(ranks: Iterable[int], limit: int = 2048) -> str:
-    """The ranks of a MISSING_KEY trailer (read back by parse_ranks)."""
-    return ",".join(str(r) for r in ranks)[:limit]
+    """The ranks of a MISSING_KEY trailer (read back by parse_ranks), cut at ``limit`` characters
+    (built only that far: the list may hold every rank of a large job)."""
+    return ",".join(str(r) for r in itertools.islice(ranks, limit // 2 + 1))[:limit]
 
 
 # One table from gRPC status to the library's errors (metadata refines it: see translate).

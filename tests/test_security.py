@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
+import grpc
 import pytest
 
 import gridcomm
@@ -148,3 +150,42 @@ def test_tls_settings_errors(tmp_path):
         _config.tls({"GRIDCOMM_TLS_REQUIRE_CLIENT_CERT": "1", "GRIDCOMM_TLS_CLIENT_CERT": str(cert),
                      "GRIDCOMM_TLS_CLIENT_KEY": str(cert)})
     assert _config.tls({}) is None
+
+
+@pytest.mark.timeout(60)
+def test_tls_on_both_hops_of_a_relay(coordinator_factory, pki):
+    from gridcomm._client.relay import Relay
+
+    world = 3
+    server = coordinator_factory(world, tls=server_tls(pki), token="t0ken", bind="127.0.0.1")
+    # The relay serves with the job's certificate and dials the coordinator over TLS with the token.
+    relay = Relay(f"localhost:{server.port}", token="t0ken", tls=server_tls(pki)).start()
+    try:
+        clients = [gridcomm.CoordinatorClient("localhost", server.port, r, world, token="t0ken", timeout_s=20,
+                                              tls=client_tls(pki), relay=relay.target) for r in range(world)]
+        errors: list[str] = []
+
+        def run(c: gridcomm.CoordinatorClient) -> None:
+            try:
+                c.join()
+                if c.rank == 0:
+                    c.set("id", b"\x02" * 128)
+                assert c.get("id") == b"\x02" * 128
+                c.barrier("tls")
+                assert c.relay_target == relay.target  # still through the relay
+                c.leave()
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=run, args=(c,)) for c in clients]
+        [t.start() for t in threads]
+        [t.join(30) for t in threads]
+        assert not errors, errors
+        assert relay.carried >= world and relay.aggregated >= 1
+        # A plaintext dial of the relay gets no answer from it.
+        channel = grpc.insecure_channel(relay.target)
+        with pytest.raises(grpc.RpcError):
+            list(channel.stream_stream("/gridcomm.v1.Coordinator/Session")(iter([b""]), timeout=3))
+        channel.close()
+    finally:
+        relay.stop()

@@ -262,7 +262,11 @@ class CoordinatorClient:
         from gridcomm._client.relay import Relay
         from gridcomm._runtime.address import local_address
 
-        self.relay = Relay(self.target, token=settings.token, tls=self.tls, bind=local_address(self.host)).start()
+        try:
+            self.relay = Relay(self.target, token=settings.token, tls=self.tls, bind=local_address(self.host)).start()
+        except GridcommError as exc:
+            # Its group then dials the coordinator directly: slower at scale, never wrong.
+            log.warning("rank %d: hosts no relay for its group: %s", self.rank, exc)
 
     def join(self, timeout_s: float | None = None) -> int:
         """Registers this rank and waits until every rank has joined; returns the generation."""

@@ -21,6 +21,7 @@ without the relay (see gridcomm._client.client), as it does when the relay dies.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import logging
 from collections.abc import Callable
@@ -30,7 +31,7 @@ import grpc
 
 from gridcomm import _config
 from gridcomm._client.channel import make_aio_channel
-from gridcomm._errors import ConfigError
+from gridcomm._errors import ConfigError, GridcommError
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._runtime import loop as _eventloop
@@ -125,8 +126,9 @@ class Relay:
         self._next_id = 0
         self._groups: dict[tuple[Any, ...], _Route] = {}
         self._children: set[_Child] = set()
-        #: rank -> (its latest caller, when its last heartbeat arrived, loop time)
-        self._beats: dict[int, tuple[pb.Caller, float]] = {}
+        #: rank -> (its latest caller, when its last heartbeat arrived (loop time), and the
+        #: background loop's lag then: lag after it is left out of the age the relay reports)
+        self._beats: dict[int, tuple[pb.Caller, float, float]] = {}
         self._beat_waiters: set[asyncio.Future[None]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._latest = pb.HeartbeatResponse()
@@ -144,7 +146,11 @@ class Relay:
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout_s: float = 30.0) -> Relay:
         loop = _eventloop.loop()
-        port = asyncio.run_coroutine_threadsafe(self._start(), loop).result(timeout_s)
+        try:
+            port = asyncio.run_coroutine_threadsafe(self._start(), loop).result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise GridcommError(f"the relay did not start within {timeout_s:g} s (this process's "
+                                "background loop is starved?)") from None
         if not port:
             raise ConfigError(f"the relay cannot listen on {self.bind}:{self._requested_port}.")
         return self
@@ -288,7 +294,7 @@ class Relay:
     def _child_heartbeat(self, child: _Child, op: pb.SessionOp) -> None:
         request = op.heartbeat
         loop = asyncio.get_running_loop()
-        self._beats[request.caller.rank] = (request.caller, loop.time())
+        self._beats[request.caller.rank] = (request.caller, loop.time(), _eventloop.lag_s())
 
         async def answer() -> None:
             if not self._latest.failures:
@@ -435,10 +441,13 @@ class Relay:
             if not self._beats:
                 await asyncio.sleep(period)
                 continue
-            now = loop.time()
+            now, lag = loop.time(), _eventloop.lag_s()
             beats = list(self._beats.values())
+            # Why the lag is left out: this process's loop (the relay's, and in a node agent or a
+            # simulation its ranks' too) ran behind, which is not the ranks' silence.
             request = pb.HeartbeatRequest(caller=beats[0][0], wait_s=period, relayed=True,
-                                          also=[c for c, _ in beats], also_age_s=[now - t for _, t in beats])
+                                          also=[c for c, _, _ in beats],
+                                          also_age_s=[max(0.0, (now - t) - (lag - at)) for _, t, at in beats])
             answered: asyncio.Future[pb.SessionResult] = loop.create_future()
 
             def done(result: pb.SessionResult, answered: asyncio.Future[pb.SessionResult] = answered) -> None:

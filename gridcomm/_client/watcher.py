@@ -26,6 +26,7 @@ from gridcomm._errors import CoordinatorLost, CoordinatorUnavailable, GridcommEr
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._runtime.loop import current as _current_loop
+from gridcomm._runtime.loop import lag_s as _lag_s
 from gridcomm._runtime.loop import loop as _runtime
 from gridcomm._wire import translate
 
@@ -112,6 +113,7 @@ class Watcher:
         timeout_s = client.heartbeat_timeout_s
         interval = max(0.05, timeout_s / 3)
         last_ok = time.monotonic()
+        lag_ok = _lag_s()
         backoff = 0.05
         failed = False
         try:
@@ -130,7 +132,7 @@ class Watcher:
                 # Why bounded by what is left of the bound: a heartbeat on a stream that has to be
                 # opened again waits for the coordinator (wait_for_ready); a coordinator that is
                 # gone must still be noticed within the bound, not a call's deadline after it.
-                call_s = min(call_s, max(0.2, timeout_s - (time.monotonic() - last_ok) + 0.1))
+                call_s = min(call_s, max(0.2, timeout_s - self._silent(last_ok, lag_ok) + 0.1))
                 try:
                     reply = await self._beat(stub, request, call_s)
                 except grpc.RpcError as exc:
@@ -139,7 +141,7 @@ class Watcher:
                                     grpc.StatusCode.CANCELLED):
                         self._report(translate(exc, f"rank {client.rank}: heartbeat", client.target), generation)
                         return
-                    silent = time.monotonic() - last_ok
+                    silent = self._silent(last_ok, lag_ok)
                     if silent > timeout_s:
                         self._report(self._lost(silent, f"{code.name}: {exc.details()}"), generation)
                         return
@@ -147,13 +149,20 @@ class Watcher:
                     await asyncio.sleep(backoff * (0.5 + random.random()))
                     backoff = min(1.0, backoff * 2)
                     continue
-                last_ok = time.monotonic()
+                last_ok, lag_ok = time.monotonic(), _lag_s()
                 backoff = 0.05
                 failed = bool(reply.failures)
                 if failed:
                     self._report(failure_error(reply.failures[0], client.rank), reply.generation or generation)
         except asyncio.CancelledError:
             pass
+
+    @staticmethod
+    def _silent(since: float, lag_then: float) -> float:
+        """Seconds without an answer since ``since``, less the time this process's loop ran behind
+        (a starved rank process cannot read the answers it was sent; that is not the coordinator's
+        silence)."""
+        return (time.monotonic() - since) - max(0.0, _lag_s() - lag_then)
 
     async def _beat(self, stub: pb_grpc.CoordinatorStub, request: pb.HeartbeatRequest,
                     call_s: float) -> pb.HeartbeatResponse:
@@ -164,7 +173,7 @@ class Watcher:
         the liveness bound), or the Heartbeat RPC when there is no stream or it broke."""
         session = self._client.heartbeat_session()
         if session is not None:
-            started = time.monotonic()
+            started, lag_before = time.monotonic(), _lag_s()
             try:
                 if not session.relay:
                     return await session.run("heartbeat", request, call_s)
@@ -178,6 +187,8 @@ class Watcher:
             except grpc.RpcError as exc:
                 if not session.relay or exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise
+                if _lag_s() - lag_before > 1.0:
+                    raise  # this process ran behind, not the relay: try the relay again
                 log.warning("rank %d: the relay did not answer a heartbeat in time; going to the coordinator directly",
                             self._client.rank)
                 self._client.relay_unreachable(session)

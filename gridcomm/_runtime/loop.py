@@ -18,6 +18,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from gridcomm._errors import GridcommError
+from gridcomm._runtime.lag import LagMeter
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,27 @@ def loop() -> asyncio.AbstractEventLoop:
             if not ready.wait(10.0):
                 raise GridcommError("the gridcomm background thread did not start within 10 s.")
             _loop, _pid = new, os.getpid()
+            global _lag, _lag_task
+            _lag = LagMeter()
+            _lag_task = asyncio.run_coroutine_threadsafe(_measure(_lag), new)
             atexit.register(_shutdown)
         return _loop
+
+
+#: How far behind the background loop runs (see gridcomm._runtime.lag): a rank's watcher and a
+#: relay leave that time out of the silences they judge, as the coordinator leaves out its own.
+_lag: LagMeter | None = None
+_lag_task: concurrent.futures.Future[None] | None = None
+
+
+async def _measure(meter: LagMeter) -> None:
+    await meter.run()
+
+
+def lag_s() -> float:
+    """The background loop's cumulative lag so far (0.0 before it starts)."""
+    meter = _lag
+    return meter.total_s if meter is not None and _pid == os.getpid() else 0.0
 
 
 def _late_grpc_event(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
