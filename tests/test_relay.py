@@ -61,12 +61,14 @@ def test_ranks_reach_the_coordinator_through_a_relay_as_aggregates(coordinator_f
     server = coordinator_factory(world, token=TOKEN)
     relay = Relay(server.address, token=TOKEN).start()
     try:
-        results = RankProcesses(RANK, world, env=env_for(server, relay.target)).wait(90)
+        results = RankProcesses(RANK, world, env=env_for(server, relay.target, BARRIERS="40")).wait(90)
         assert_all_ok(results)
         for r in results.values():
             assert last_json(r) == {"ok": True, "relay": relay.target}
-        # Each barrier of the 4 ranks went up as fewer operations than arrivals.
-        assert relay.aggregated > 0 and relay.carried < world * 12
+        # Arrivals that reach the relay together go up as one operation (opportunistic: whatever
+        # arrived since the last upstream write). The 4 ranks are released at one instant by each
+        # barrier's one answer, so over 40 barriers some of their next arrivals coincide.
+        assert relay.aggregated > 0 and relay.carried < world * 42, (relay.aggregated, relay.carried)
         assert not server.state.failures
     finally:
         relay.stop()

@@ -181,7 +181,7 @@ def test_tls_on_both_hops_of_a_relay(coordinator_factory, pki):
         [t.start() for t in threads]
         [t.join(30) for t in threads]
         assert not errors, errors
-        assert relay.carried >= world and relay.aggregated >= 1
+        assert relay.carried >= world  # the operations went through the relay
         # A plaintext dial of the relay gets no answer from it.
         channel = grpc.insecure_channel(relay.target)
         with pytest.raises(grpc.RpcError):
