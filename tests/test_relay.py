@@ -230,3 +230,62 @@ def test_a_relay_of_the_tree_dies_with_its_rank_and_that_rank_is_named(coordinat
             assert all(not v["ok"] and 8 <= v.get("failed", -1) < 16 for v in out.values()), out
     finally:
         ranks.close()
+
+
+SHRINK_WORKER = """
+import json, os, threading, time, gridcomm
+proc = int(os.environ["GRIDCOMM_RANK"]); threads = int(os.environ["THREADS"]); world = int(os.environ["WORLD"])
+port = int(os.environ["PORT"])
+clients = [gridcomm.CoordinatorClient("127.0.0.1", port, proc * threads + t, world, token=os.environ["TOKEN"],
+                                      timeout_s=60) for t in range(threads)]
+out = {}
+def run(c):
+    try:
+        c.join()
+        try:
+            while True:
+                c.barrier("before")
+                time.sleep(0.05)
+        except gridcomm.RankFailedError as exc:
+            failed = exc.rank
+        for attempt in range(10):
+            try:
+                generation = c.recover("shrink")
+                break
+            except gridcomm.RankFailedError:
+                continue  # another rank of the dead group was named meanwhile: call again
+        for i in range(10):
+            c.barrier("after")
+        out[c.rank] = {"ok": True, "failed": failed, "members": len(c.members), "relayed": c.relay_target is not None,
+                       "generation": generation}
+        c.leave()
+    except Exception as exc:
+        out[c.rank] = {"ok": False, "error": repr(exc)[:300]}
+ts = [threading.Thread(target=run, args=(c,)) for c in clients]
+[t.start() for t in ts]
+[t.join(120) for t in ts]
+print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_shrink_after_a_group_died_goes_on_through_the_surviving_relays(coordinator_factory):
+    procs, threads, bound = 3, 8, 3.0
+    server = coordinator_factory(procs * threads, token=TOKEN, heartbeat_timeout_s=bound)
+    ranks = RankProcesses(SHRINK_WORKER, procs, env={
+        "PORT": str(server.port), "THREADS": str(threads), "WORLD": str(procs * threads), "TOKEN": TOKEN,
+        "GRIDCOMM_RELAY": "on", "GRIDCOMM_RELAY_FANIN": "8"})
+    try:
+        wait_for(lambda: server.state.complete, "the rendezvous", 60)
+        time.sleep(1.0)
+        os.kill(ranks.procs[1].pid, signal.SIGKILL)  # ranks 8..15, and the relay of their group
+        results = ranks.wait(120)
+        out = {int(k): v for proc in (0, 2) for k, v in last_json(results[proc]).items()}
+        assert len(out) == 16 and all(v["ok"] for v in out.values()), out
+        # The survivors formed the next generation without ranks 8..15, and its barriers went on
+        # through the relays of their own groups (ranks 0 and 16 host them).
+        assert all(v["members"] == 16 and 8 <= v["failed"] < 16 for v in out.values()), out
+        assert all(v["relayed"] == (r % 8 != 0) for r, v in out.items()), out
+        assert len({v["generation"] for v in out.values()}) == 1
+    finally:
+        ranks.close()
