@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RANK_COUNTS = (8, 32, 128, 256, 512, 2048, 8192, 16384)
+RANK_COUNTS = (8, 32, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 DEFAULT_RANKS = (8, 32, 128, 512, 2048)
 PEER_NAMES = ("gridcomm", "gridcomm-direct", "gridcomm+agent", "torch", "jax", "cupyx")
 BLOB = bytes(range(128))
