@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import grpc
 
@@ -69,6 +70,25 @@ def without_repeat(what: str, details: str) -> str:
         if rest.startswith(" #"):
             return rest[1:]
     return details
+
+
+class Undecodable:
+    """Stands for a request body that is not a valid message of its type."""
+
+
+UNDECODABLE = Undecodable()
+
+
+def decoder(message_type: Any) -> Callable[[bytes], Any]:
+    """A server's request deserializer that turns an undecodable body into UNDECODABLE (refused
+    with INVALID_ARGUMENT by the handler; gRPC's own answer would be UNKNOWN)."""
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except Exception:  # noqa: BLE001 - DecodeError and friends
+            return UNDECODABLE
+
+    return parse
 
 
 def ranks_text(ranks: Iterable[int], limit: int = 2048) -> str:

@@ -201,7 +201,7 @@ class CoordinatorClient:
         the stream breaks; every operation is idempotent) as its unary RPC."""
         if self._closed:
             raise CommAborted(f"{what}: this client was closed.")
-        session = self.heartbeat_session()
+        session = self.session_stream()
         if session is not None:
             started = time.monotonic()
             try:
@@ -340,20 +340,7 @@ class CoordinatorClient:
         self.relay_target = target
         session, self._session = self._session, None
         channel, self._aio = self._aio, None
-        running = _eventloop.current()
-        if running is None or (session is None and channel is None):
-            return
-
-        async def close_direct() -> None:
-            if session is not None:
-                await session.close()
-            if channel is not None:
-                await channel.close()
-
-        try:
-            asyncio.run_coroutine_threadsafe(close_direct(), running)
-        except RuntimeError:
-            pass  # the loop closed meanwhile (interpreter exit)
+        _close_later(session, [channel] if channel is not None else [])
 
     def watched(self, error: GridcommError, generation: int) -> None:
         """From the watcher: a failure of ``generation``. The first of the current generation is
@@ -484,7 +471,7 @@ class CoordinatorClient:
             self._aio = make_aio_channel(self.target, self.tls)
         return self._aio
 
-    def heartbeat_session(self) -> _session.Session | None:
+    def session_stream(self) -> _session.Session | None:
         """The Session stream this client's operations and the watcher's heartbeats ride: to the
         relay while there is one, else to the coordinator (None with GRIDCOMM_SESSION=off, or once
         closed)."""
@@ -535,28 +522,31 @@ class CoordinatorClient:
         session, self._session = self._session, None
         channels = [c for c in (self._aio, self._relay_aio) if c is not None]
         self._aio = self._relay_aio = None
-        if session is None and not channels:
-            return
-        running = _eventloop.current()
-        if running is None:
-            return  # the loop is gone (interpreter exit): so are its channels
-
-        async def close_all() -> None:
-            if session is not None:
-                await session.close()
-            for channel_aio in channels:
-                await channel_aio.close()
-
-        try:
-            asyncio.run_coroutine_threadsafe(close_all(), running)
-        except RuntimeError:
-            pass  # the loop closed meanwhile (interpreter exit)
+        _close_later(session, channels)
 
     def __enter__(self) -> CoordinatorClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close_later(session: _session.Session | None, channels: list[grpc.aio.Channel]) -> None:
+    """Closes a Session stream, then channels, on the background loop (without waiting)."""
+    running = _eventloop.current()
+    if running is None or (session is None and not channels):
+        return  # nothing to close, or the loop is gone (interpreter exit): so are its channels
+
+    async def close_all() -> None:
+        if session is not None:
+            await session.close()
+        for channel in channels:
+            await channel.close()
+
+    try:
+        asyncio.run_coroutine_threadsafe(close_all(), running)
+    except RuntimeError:
+        pass  # the loop closed meanwhile (interpreter exit)
 
 
 def fetch_status(host: str, port: int, token: str | None = None, timeout_s: float = SHORT_CALL_S) -> pb.StatusResponse:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hmac
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -35,26 +34,17 @@ from gridcomm._errors import ConfigError, GridcommError
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._runtime import loop as _eventloop
-from gridcomm._runtime.guard import GuardedServer, control_server_options
-from gridcomm._wire import SERVICE_NAME
+from gridcomm._runtime.guard import GuardedServer, control_server_options, token_problem
+from gridcomm._wire import SERVICE_NAME, UNDECODABLE, decoder
 
 log = logging.getLogger(__name__)
 
-_UNDECODABLE = object()
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
-_UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
 
 #: Connections a relay accepts at once: its node's ranks (a few each) and room to spare.
 MAX_RELAY_CONNECTIONS = 4096
-
-
-def _parse_session(data: bytes) -> Any:
-    try:
-        return pb.SessionRequest.FromString(data)
-    except Exception:  # noqa: BLE001 - answered INVALID_ARGUMENT
-        return _UNDECODABLE
 
 
 def _group_key(kind: str, request: Any) -> tuple[Any, ...] | None:
@@ -214,27 +204,16 @@ class Relay:
     # ------------------------------------------------------------------ serving the ranks
     def _register(self, server: grpc.aio.Server) -> None:
         methods = {"Session": grpc.stream_stream_rpc_method_handler(
-            self._session, request_deserializer=_parse_session,
+            self._session, request_deserializer=decoder(pb.SessionRequest),
             response_serializer=pb.SessionReply.SerializeToString)}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, methods),))
 
-    def _authenticate(self, context: grpc.aio.ServicerContext) -> str | None:
-        if self._token is None:
-            return None
-        supplied = b""
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization":
-                supplied = value.encode() if isinstance(value, str) else bytes(value)
-                break
-        if hmac.compare_digest(supplied, b"Bearer " + self._token):
-            return None
-        return (f"Session refused by the relay: the {'token is missing' if not supplied else 'token is wrong'}; "
-                "set the same GRIDCOMM_TOKEN (or GRIDCOMM_TOKEN_FILE) on every rank and the coordinator.")
-
     async def _session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        refused = self._authenticate(context)
-        if refused is not None:
-            await context.abort(_UNAUTHENTICATED, refused)
+        problem = token_problem(context, self._token)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                f"Session refused by the relay: the token is {problem}; set the same GRIDCOMM_TOKEN "
+                                "(or GRIDCOMM_TOKEN_FILE) on every rank and the coordinator.")
         child = _Child(context)
         self._children.add(child)
         writer = child.writer = asyncio.ensure_future(child.write())
@@ -244,7 +223,7 @@ class Relay:
                 request = await context.read()
                 if request is grpc.aio.EOF:
                     break
-                if request is _UNDECODABLE:
+                if request is UNDECODABLE:
                     refusal = "a Session request is not a valid gridcomm.v1.SessionRequest."
                     break
                 for op in request.ops:

@@ -62,8 +62,8 @@ class Watched(Protocol):
         """The client's channel on the background loop (shared with its Session stream)."""
         ...
 
-    def heartbeat_session(self) -> Session | None:
-        """The client's Session stream, which heartbeats ride (None: unary heartbeats)."""
+    def session_stream(self) -> Session | None:
+        """The client's Session stream, which its operations and heartbeats ride (None: unary calls)."""
         ...
 
     def relay_unreachable(self, session: Session) -> None:
@@ -171,7 +171,7 @@ class Watcher:
         the coordinator already serves; a unary call per heartbeat is a new call for it to set
         up, and at 2,048 ranks those calls waited behind the streams' traffic for longer than
         the liveness bound), or the Heartbeat RPC when there is no stream or it broke."""
-        session = self._client.heartbeat_session()
+        session = self._client.session_stream()
         if session is not None:
             started, lag_before = time.monotonic(), _lag_s()
             try:

@@ -287,11 +287,10 @@ def relay_address(explicit: str | None = None, environ: Mapping[str, str] | None
         if found is None or not found[1].strip():
             return None
         value = found[1].strip()
-    host, sep, port = value.rpartition(":")
-    if not sep or not host:
-        raise ConfigError(f"GRIDCOMM_RELAY_ADDRESS={value!r} must be HOST:PORT (e.g. 127.0.0.1:40123).")
-    return format_target(validate_host("GRIDCOMM_RELAY_ADDRESS", host.strip("[]")),
-                         _parse_int("GRIDCOMM_RELAY_ADDRESS port", port, minimum=1, maximum=65535))
+    try:
+        return format_target(*parse_target(value))
+    except ConfigError as exc:
+        raise ConfigError(f"GRIDCOMM_RELAY_ADDRESS: {exc}") from None
 
 
 def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> int:

@@ -20,13 +20,6 @@ log = logging.getLogger(__name__)
 MAX_DETAILS = 400
 
 
-class Undecodable:
-    """Stands for a request body that is not a valid message of its type."""
-
-
-UNDECODABLE = Undecodable()
-
-
 class Abort(Exception):
     """Raised inside an operation to answer with a status (and trailing metadata)."""
 

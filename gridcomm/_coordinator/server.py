@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2
 from gridcomm import _config
 from gridcomm._config.settings import CoordinatorSettings
 from gridcomm._coordinator import metrics as _metrics
-from gridcomm._coordinator.answers import UNDECODABLE, Abort, refuse
+from gridcomm._coordinator.answers import Abort, refuse
 from gridcomm._coordinator.servicer import Servicer
 from gridcomm._coordinator.session import ServerSession
 from gridcomm._coordinator.state import JobState, Limits
@@ -26,7 +26,7 @@ from gridcomm._errors import ConfigError, CoordinatorUnavailable
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._runtime.guard import BoundedHealth, GuardedServer, control_server_options, health_server_options
 from gridcomm._runtime.loop import drop_late_grpc_events
-from gridcomm._wire import SERVICE_NAME
+from gridcomm._wire import SERVICE_NAME, UNDECODABLE, decoder
 
 log = logging.getLogger(__name__)
 
@@ -40,16 +40,6 @@ def server_options(world_size: int) -> list[tuple[str, Any]]:
     """gRPC server options, set explicitly (see control_server_options); a few connections per
     rank (its calls, its watcher, a probe) and room for operators' tools."""
     return control_server_options(max_connections(world_size))
-
-
-def _parser(message_type: Any) -> Callable[[bytes], Any]:
-    def parse(data: bytes) -> Any:
-        try:
-            return message_type.FromString(data)
-        except Exception:  # noqa: BLE001 - DecodeError and friends: answered INVALID_ARGUMENT
-            return UNDECODABLE
-
-    return parse
 
 
 async def _admit(servicer: Servicer, context: grpc.aio.ServicerContext, name: str) -> None:
@@ -120,7 +110,7 @@ def _register(servicer: Servicer, server: grpc.aio.Server) -> None:
     for method in pb.DESCRIPTOR.services_by_name["Coordinator"].methods:
         make = grpc.stream_stream_rpc_method_handler if method.server_streaming else grpc.stream_unary_rpc_method_handler
         methods[method.name] = make(handlers[method.name],
-                                    request_deserializer=_parser(getattr(pb, method.input_type.name)),
+                                    request_deserializer=decoder(getattr(pb, method.input_type.name)),
                                     response_serializer=getattr(pb, method.output_type.name).SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, methods),))
 

@@ -11,7 +11,6 @@ A waiting operation costs a future, never a thread.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from gridcomm._coordinator.answers import Abort, RefusalLog, bounded, failure_pb
 from gridcomm._coordinator.metrics import CoordinatorMetrics
 from gridcomm._coordinator.state import REBUILD, SHRINK, JobState, Member, StateError, quote
 from gridcomm._proto import coordinator_pb2 as pb
+from gridcomm._runtime.guard import token_problem
 from gridcomm._runtime.lag import LagMeter
 from gridcomm._wire import CHUNK_BYTES, FAILED_KEY, MISSING_KEY, ranks_text, shown_generation
 
@@ -97,18 +97,12 @@ class Servicer:
     def authenticate(self, context: grpc.aio.ServicerContext, method: str) -> None:
         """Raises Abort(UNAUTHENTICATED) unless the call carries the job's token (on its headers,
         so before any request message is read)."""
-        if self._token is None:
-            return
-        supplied = b""
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization":
-                supplied = value.encode() if isinstance(value, str) else bytes(value)
-                break
-        if not hmac.compare_digest(supplied, b"Bearer " + self._token):
-            self.refusals.note(method, context.peer(), "missing" if not supplied else "wrong")
+        problem = token_problem(context, self._token)
+        if problem is not None:
+            self.refusals.note(method, context.peer(), problem)
             raise Abort(
                 grpc.StatusCode.UNAUTHENTICATED,
-                f"{method} refused: the {'token is missing' if not supplied else 'token is wrong'}; "
+                f"{method} refused: the token is {problem}; "
                 "set the same GRIDCOMM_TOKEN (or GRIDCOMM_TOKEN_FILE) on every rank and the coordinator.",
             )
 

@@ -13,9 +13,10 @@ from typing import Any
 
 import grpc
 
-from gridcomm._coordinator.answers import UNDECODABLE, Abort, refuse, status_of
+from gridcomm._coordinator.answers import Abort, refuse, status_of
 from gridcomm._coordinator.servicer import Servicer
 from gridcomm._proto import coordinator_pb2 as pb
+from gridcomm._wire import UNDECODABLE
 
 #: What a Session operation runs: the operation of its unary RPC.
 OPERATIONS: dict[str, Callable[[Servicer, Any, float | None], Awaitable[Any]]] = {

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hmac
 import logging
 import socket
 import time
@@ -40,6 +41,22 @@ MAX_HEALTH_READS = 32
 #: Header block a caller may send (a token is at most 4 KiB). Why: a 1 MiB header block cost
 #: ~1 MB per connection, kept after the connection closed.
 MAX_METADATA_BYTES = 16 * 1024
+
+
+def token_problem(context: grpc.aio.ServicerContext, token: bytes | None) -> str | None:
+    """Whether a call's headers carry ``Bearer <token>``: None when they do (or no token is
+    asked for), else ``"missing"`` or ``"wrong"``. Compared in constant time; read from the call's
+    headers, so before any request message is."""
+    if token is None:
+        return None
+    supplied = b""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            supplied = value.encode() if isinstance(value, str) else bytes(value)
+            break
+    if hmac.compare_digest(supplied, b"Bearer " + token):
+        return None
+    return "wrong" if supplied else "missing"
 
 
 #: Concurrent calls one connection may have open. A rank needs a few (its Session stream, a
