@@ -86,13 +86,9 @@ class Watcher:
         loop = _runtime()
 
         async def begin() -> None:
-            if not self._stopped:
-                self._task = asyncio.ensure_future(self._run())
+            self._task = asyncio.ensure_future(self._run())
 
-        # Why not waited for: a starved loop (8,192 simulated ranks on 2 cores) took more than the
-        # 10 s this waited, and join() raised a bare TimeoutError; the watcher starts when the loop
-        # gets to it, and the liveness bound covers a late first heartbeat.
-        asyncio.run_coroutine_threadsafe(begin(), loop)
+        asyncio.run_coroutine_threadsafe(begin(), loop).result(10.0)
 
     def stop(self) -> None:
         """Stops heartbeating (before a clean leave). Idempotent; bounded."""
