@@ -20,19 +20,22 @@ probe passes meanwhile) and ``init_process_group``; it lives until the process e
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import threading
 from typing import Any
 
 from grpc_health.v1 import health_pb2
 
 from gridcomm import _config
-from gridcomm._errors import CoordinatorUnavailable
+from gridcomm._errors import CoordinatorUnavailable, GridcommError
 from gridcomm._runtime.guard import BoundedHealth, GuardedServer, health_server_options
 from gridcomm._runtime.loop import run_soon, submit
 from gridcomm._wire import SERVICE_NAME
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+#: How long starting the health server waits for the background loop.
+START_WAIT_S = 10.0
 
 _lock = threading.Lock()
 #: The running servers, by the port asked for.
@@ -70,7 +73,11 @@ class ProcessHealth:
             self._server = server
             return port
 
-        self.port = submit(begin()).result(10.0)
+        try:
+            self.port = submit(begin()).result(START_WAIT_S)
+        except concurrent.futures.TimeoutError:
+            raise GridcommError(f"the health server did not start within {START_WAIT_S:g} s (this process's "
+                                "background loop is starved?)") from None
         return self
 
     @property

@@ -138,4 +138,10 @@ def run_soon(coro: Coroutine[Any, Any, Any], timeout_s: float) -> None:
     if running is target:
         asyncio.ensure_future(coro)
     else:
-        asyncio.run_coroutine_threadsafe(coro, target).result(timeout_s)
+        future = asyncio.run_coroutine_threadsafe(coro, target)
+        try:
+            future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            # A starved loop: what was asked stays scheduled and runs when the loop gets to it.
+            log.warning("the gridcomm background loop did not get to a task within %g s (starved?); it runs later",
+                        timeout_s)
