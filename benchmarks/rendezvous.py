@@ -95,7 +95,15 @@ class Peer:
 
 
 class GridcommPeer(Peer):
+    """gridcomm as it runs in an Indexed Job or a JobSet of this many pods: from 256 ranks the relay
+    tree, every group's relay at an address known before the join (GRIDCOMM_RELAY_ADDRESSES, which
+    the Kubernetes detectors derive from the pods' names), so ranks join through it. Here the
+    addresses are loopback ports, one per group (the harness runs in a network namespace of its own)."""
+
     name = "gridcomm"
+
+    def start_process(self, port: int, world: int, timeout_s: float) -> None:
+        os.environ["GRIDCOMM_RELAY_ADDRESSES"] = "127.0.0.1:2{group:04d}"
 
     def load(self) -> None:
         global gridcomm

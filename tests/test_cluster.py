@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 
 from gridcomm import _config
 from gridcomm._config import cluster as _cluster
+from gridcomm._config import format_relay_address
 from gridcomm._config.cluster import ClusterInfo, detect
+from gridcomm._config.settings import ClientSettings
 from gridcomm._errors import ConfigError
 from tests.support.procs import ROOT
 
@@ -33,6 +35,35 @@ def pod(job: str, index: int, subdomain: str | None, **env: str) -> ClusterInfo:
 def test_indexed_job_rank_and_coordinator_from_hostname_and_subdomain():
     info = pod("train", 3, "train-svc", GRIDCOMM_WORLD_SIZE="8")
     assert info == ClusterInfo(3, 8, f"train-0.train-svc.{NS}", 13333, 0, "kubernetes")
+
+
+def test_the_relay_tree_addresses_are_every_group_leaders_pod_name():
+    # Rank 40's group (fan-in 32) is led by rank 32, pod train-32 of the same Job and Service; the
+    # manifests give GRIDCOMM_HOST, which does not stop the pods' names from being known.
+    template = pod("train", 40, "svc", GRIDCOMM_WORLD_SIZE="256").relay_addresses
+    assert format_relay_address(template, 32, 1) == f"train-32.svc.{NS}:13336"
+    given = pod("train", 40, "svc", GRIDCOMM_WORLD_SIZE="256", GRIDCOMM_HOST="train-0.svc").relay_addresses
+    assert given == template
+    js = jobset_pod("js", "w", 0, 40, "js", GRIDCOMM_WORLD_SIZE="64", GRIDCOMM_RELAY="on").relay_addresses
+    assert format_relay_address(js, 32, 1) == f"js-w-0-32.js.{NS}:13336"
+    # Nothing where no tree is used (below 256 ranks by default, or GRIDCOMM_RELAY=off), where a
+    # group could span the jobs of a JobSet, or where the pods have no DNS subdomain.
+    assert pod("train", 3, "svc", GRIDCOMM_WORLD_SIZE="255").relay_addresses is None
+    assert pod("train", 3, "svc", GRIDCOMM_WORLD_SIZE="512", GRIDCOMM_RELAY="off").relay_addresses is None
+    assert jobset_pod("js", "w", 1, 2, "js", GRIDCOMM_WORLD_SIZE="512",
+                      JOBSET_REPLICATED_JOB_REPLICAS="2").relay_addresses is None
+    assert pod("train", 2, None, GRIDCOMM_WORLD_SIZE="512", GRIDCOMM_HOST="c.example").relay_addresses is None
+
+
+def test_an_explicit_relay_template_wins_and_a_bad_one_is_named_at_start():
+    env = {"GRIDCOMM_WORLD_SIZE": "64", "GRIDCOMM_RANK": "3", "GRIDCOMM_HOST": "c",
+           "GRIDCOMM_RELAY_ADDRESSES": "10.0.0.{group}:7000"}
+    assert ClientSettings.resolve(environ=env).relay_addresses == "10.0.0.{group}:7000"
+    for bad, message in [("10.0.0.1:7000", "names no relay per group"), ("h-{rank}:1", "KeyError"),
+                         ("h-{leader}", "gives 'h-0'"), ("h-{leader:x}.{group:q}:1", "ValueError"),
+                         ("h-{leader}:99999", "gives 'h-0:99999'")]:
+        with pytest.raises(ConfigError, match=message):
+            ClientSettings.resolve(environ={**env, "GRIDCOMM_RELAY_ADDRESSES": bad})
 
 
 def test_indexed_job_rank_zero_names_itself():

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -166,8 +168,9 @@ TREE_WORKER = """
 import json, os, threading, time, gridcomm
 proc = int(os.environ["GRIDCOMM_RANK"]); threads = int(os.environ["THREADS"]); world = int(os.environ["WORLD"])
 port = int(os.environ["PORT"])
+time.sleep(float(os.environ.get("START_DELAY_S", "0")))
 clients = [gridcomm.CoordinatorClient("127.0.0.1", port, proc * threads + t, world, token=os.environ["TOKEN"],
-                                      timeout_s=60) for t in range(threads)]
+                                      timeout_s=float(os.environ.get("TIMEOUT_S", "60"))) for t in range(threads)]
 out = {}
 def run(c):
     try:
@@ -192,10 +195,93 @@ print(json.dumps(out), flush=True)
 """
 
 
-def tree(server, procs: int, threads: int, barriers: int, pause_s: float) -> RankProcesses:
+def tree(server, procs: int, threads: int, barriers: int, pause_s: float, **extra: str) -> RankProcesses:
     return RankProcesses(TREE_WORKER, procs, env={
         "PORT": str(server.port), "THREADS": str(threads), "WORLD": str(procs * threads), "TOKEN": TOKEN,
-        "BARRIERS": str(barriers), "PAUSE_S": str(pause_s), "GRIDCOMM_RELAY": "on", "GRIDCOMM_RELAY_FANIN": "8"})
+        "BARRIERS": str(barriers), "PAUSE_S": str(pause_s), "GRIDCOMM_RELAY": "on", "GRIDCOMM_RELAY_FANIN": "8",
+        **extra})
+
+
+def free_port_block(count: int) -> int:
+    """A multiple of 10 whose next ``count`` ports are free on loopback now (for a relay template)."""
+    for _ in range(200):
+        base = random.randrange(20000, 30000, 10)
+        socks = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise AssertionError("no block of free ports")
+
+
+def session_streams(server) -> dict[str, int]:
+    """The coordinator's Session streams and unary Joins, counted as each ended (its metrics' source)."""
+    counts = server._servicer.metrics.rpcs
+    return {"Session": sum(n for (m, _), n in counts.items() if m == "Session"),
+            "Join": sum(n for (m, _), n in counts.items() if m == "Join")}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("leaders_late", [False, True], ids=["together", "leaders-start-late"])
+def test_ranks_join_through_their_groups_relay_when_its_address_is_known(coordinator_factory, leaders_late):
+    """GRIDCOMM_RELAY_ADDRESSES (what the Kubernetes detectors derive from pod names): the joins go
+    to the relays, so the coordinator holds a stream per group, not per rank. A member whose relay
+    is not up yet (its leader's pod starts later) waits for it instead of dialling the coordinator."""
+    procs, threads = 4, 8
+    base = free_port_block(procs)
+    server = coordinator_factory(procs * threads, token=TOKEN)
+    template = f"127.0.0.1:{base // 10}{{group}}"
+    if leaders_late:
+        # 8 processes of 4 ranks: the leaders (ranks 0, 8, 16, 24) are in processes 0, 2, 4, 6,
+        # which start 3 s late; the members in processes 1, 3, 5, 7 find no relay at first.
+        ranks = RankProcesses(TREE_WORKER, 8, env={
+            "PORT": str(server.port), "THREADS": "4", "WORLD": str(procs * threads), "TOKEN": TOKEN,
+            "BARRIERS": "10", "PAUSE_S": "0", "GRIDCOMM_RELAY": "on", "GRIDCOMM_RELAY_FANIN": "8",
+            "GRIDCOMM_RELAY_ADDRESSES": template},
+            per_rank_env={p: {"START_DELAY_S": "3"} for p in range(0, 8, 2)})
+    else:
+        ranks = tree(server, procs, threads, 10, 0.0, GRIDCOMM_RELAY_ADDRESSES=template)
+    results = ranks.wait(100)
+    assert_all_ok(results)
+    out = {int(k): v for r in results.values() for k, v in last_json(r).items()}
+    assert len(out) == 32 and all(v["ok"] for v in out.values()), out
+    assert all(v["relayed"] == (r % 8 != 0) for r, v in out.items()), out
+    # 4 leaders' own streams and 4 relays' streams upstream; no member dialled the coordinator.
+    counts = wait_for(lambda: (c := session_streams(server))["Session"] >= 8 and c, "the streams to end", 20)
+    assert counts == {"Session": 8, "Join": 0}, counts
+    assert not server.state.failures
+
+
+@pytest.mark.timeout(120)
+def test_a_member_whose_relay_never_answers_joins_the_coordinator_directly(coordinator_factory):
+    """Group 1's relay port is taken, so its leader hosts no relay: its members try it for a
+    quarter of their join's timeout, then join the coordinator directly; the job goes on."""
+    procs, threads = 4, 8
+    base = free_port_block(procs)
+    server = coordinator_factory(procs * threads, token=TOKEN)
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", base + 1))  # bound, not listening: connections are refused
+    try:
+        results = tree(server, procs, threads, 10, 0.0, GRIDCOMM_RELAY_ADDRESSES=f"127.0.0.1:{base // 10}{{group}}",
+                       TIMEOUT_S="20").wait(100)
+    finally:
+        blocker.close()
+    assert_all_ok(results)
+    out = {int(k): v for r in results.values() for k, v in last_json(r).items()}
+    assert len(out) == 32 and all(v["ok"] for v in out.values()), out
+    assert not out[8]["hosts"] and all(not out[r]["relayed"] for r in range(8, 16)), out
+    assert all(v["relayed"] == (r % 8 != 0) for r, v in out.items() if not 8 <= r < 16), out
+    counts = wait_for(lambda: (c := session_streams(server))["Session"] >= 13 and c, "the streams to end", 20)
+    # 3 relays upstream, 4 leaders, and group 1's 7 members at the coordinator (stream or unary join).
+    assert counts["Session"] + counts["Join"] >= 14 and counts["Session"] <= 14, counts
+    assert not server.state.failures
 
 
 @pytest.mark.timeout(120)

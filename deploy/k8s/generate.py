@@ -45,6 +45,7 @@ BACKENDS = ("auto", "nccl", "host")
 COORDINATOR_PORT = 13333
 HEALTH_PORT = 13334
 METRICS_PORT = 13335
+RELAY_PORT = 13336
 #: Where the token Secret is mounted, and the file gridcomm reads (GRIDCOMM_TOKEN_FILE).
 TOKEN_DIR = "/var/run/secrets/gridcomm"
 TOKEN_KEY = "token"
@@ -558,7 +559,10 @@ _EMBEDDED_PORTS = """
             - name: health
               containerPort: $health_port
             - name: metrics
-              containerPort: $metrics_port"""
+              containerPort: $metrics_port
+            # From 256 ranks, rank k x 32 serves its group's relay here (GRIDCOMM_RELAY_ADDRESSES).
+            - name: relay
+              containerPort: $relay_port"""
 
 _EMBEDDED_COORDINATOR_ENV = """
             - name: GRIDCOMM_HOST
@@ -641,7 +645,7 @@ def render(args: argparse.Namespace) -> dict[str, str]:
         "name": args.name, "service": args.service, "world_size": args.world_size, "image": args.image,
         "backend": args.backend, "rjob": args.replicated_job, "coordinator_port": COORDINATOR_PORT,
         "health_port": HEALTH_PORT, "exit_config": EXIT_CONFIG_ERROR, "exit_peer": EXIT_PEER_FAILED,
-        "metrics_port": METRICS_PORT, "token_dir": TOKEN_DIR, "token_key": TOKEN_KEY,
+        "metrics_port": METRICS_PORT, "relay_port": RELAY_PORT, "token_dir": TOKEN_DIR, "token_key": TOKEN_KEY,
         "active_deadline_s": args.active_deadline_s, "checkpoint_dir": CHECKPOINT_DIR,
         "backoff_per_index": BACKOFF_LIMIT_PER_INDEX, "min_job": MIN_KUBERNETES_RECOVERABLE["recoverable/job.yaml"],
         "min_coordinator": MIN_KUBERNETES_RECOVERABLE["recoverable/coordinator.yaml"],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import secrets
 import socket
 import threading
@@ -54,6 +55,9 @@ _SESSION_VALUE_BYTES = 64 * 1024
 _REREADS = 8
 #: Bound on a short (non-waiting) call.
 SHORT_CALL_S = 10.0
+#: How long a join waits for its group's relay (GRIDCOMM_RELAY_ADDRESSES) to answer before it goes
+#: to the coordinator directly: pods of one job start seconds apart (image pulls, scheduling).
+RELAY_JOIN_GRACE_S = 20.0
 
 #: The unary RPC that does what each Session operation does.
 _UNARY = {"join": "Join", "set": "Set", "get": "Get", "barrier": "Barrier", "leave": "Leave"}
@@ -141,6 +145,8 @@ class CoordinatorClient:
         #: The relay this rank hosts for its group of the tree (see _tree), once joined.
         self.relay: Any = None
         self._relay_rank: int | None = None
+        #: The group relay this rank's join tries first (GRIDCOMM_RELAY_ADDRESSES), until joined.
+        self._relay_join: str | None = None
         self._closed = False
         self._barrier_seq: dict[str, int] = {}
         self._joined = False
@@ -254,16 +260,25 @@ class CoordinatorClient:
         if settings.relay_mode == "auto" and self.world_size < _config.RELAY_AUTO_WORLD:
             return
         leader = self.rank - self.rank % settings.relay_fanin
+        template = settings.relay_addresses
         if leader != self.rank:
             self._relay_rank = leader
+            if template is not None and not self._joined:
+                # Its relay's address is known before the join: the join goes there too.
+                self._relay_join = _config.format_relay_address(template, leader, leader // settings.relay_fanin)
             return
         if leader + 1 >= self.world_size or self.relay is not None:
             return  # a group of one: nobody to relay for
         from gridcomm._client.relay import Relay
         from gridcomm._runtime.address import local_address
 
+        port = 0
+        if template is not None:
+            port = _config.parse_target(_config.format_relay_address(template, leader,
+                                                                     leader // settings.relay_fanin))[1]
         try:
-            self.relay = Relay(self.target, token=settings.token, tls=self.tls, bind=local_address(self.host)).start()
+            self.relay = Relay(self.target, token=settings.token, tls=self.tls, bind=local_address(self.host),
+                               port=port).start()
         except GridcommError as exc:
             # Its group then dials the coordinator directly: slower at scale, never wrong.
             log.warning("rank %d: hosts no relay for its group: %s", self.rank, exc)
@@ -271,10 +286,17 @@ class CoordinatorClient:
     def join(self, timeout_s: float | None = None) -> int:
         """Registers this rank and waits until every rank has joined; returns the generation."""
         self._tree()
+        total = self.timeout_s if timeout_s is None else _config.parse_duration("timeout_s", timeout_s)
+        relay_until = time.monotonic() + min(RELAY_JOIN_GRACE_S, total / 4)
+        what = f"rank {self.rank}: join"
 
         def attempt(wait_s: float, call_s: float) -> pb.JoinResponse:
-            return self._op("join", self._join_request(wait_s), f"rank {self.rank}: join", call_s,
-                            wait_for_ready=True)
+            request = self._join_request(wait_s)
+            if self._relay_join is not None:
+                response = self._join_through_relay(request, what, call_s, relay_until)
+                if response is not None:
+                    return response
+            return self._op("join", request, what, call_s, wait_for_ready=True)
 
         response = self._long_poll(
             f"rank {self.rank} of {self.world_size}: join", timeout_s, attempt,
@@ -289,6 +311,42 @@ class CoordinatorClient:
         self._watcher = Watcher(self)
         self._watcher.start()
         return self.generation
+
+    def _join_through_relay(self, request: pb.JoinRequest, what: str, call_s: float,
+                            until: float) -> pb.JoinResponse | None:
+        """The join through this rank's group relay (GRIDCOMM_RELAY_ADDRESSES), so the coordinator
+        is not dialled by every rank. A relay that does not answer yet (its rank's pod is still
+        starting) is tried again, jittered, until ``until``; then None: the join goes to the
+        coordinator directly, and the join's answer moves the stream to the relay if it came up."""
+        target = self._relay_join
+        assert target is not None
+        backoff = 0.1
+        while True:
+            session = self._session
+            if session is None or session.closed or not session.relay:
+                self.relay_target = target
+                session = _session.Session(target, self._metadata, self.relay_channel, relay=True,
+                                           wait_for_ready=False)
+                self._session = session
+            try:
+                return session.call("join", request, call_s)
+            except _session.OpError as exc:
+                raise translate(exc, what, target) from None
+            except _session.StreamBroken as exc:
+                why = str(exc)
+            left = until - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(left, backoff * (0.5 + random.random())))
+            backoff = min(2.0, backoff * 2)
+        log.info("rank %d: the relay at %s did not answer within %.0f s (%s); joining the coordinator at %s "
+                 "directly", self.rank, target, RELAY_JOIN_GRACE_S, why, self.target)
+        self._relay_join = None
+        session, self._session = self._session, None
+        channel, self._relay_aio = self._relay_aio, None
+        self.relay_target = None
+        _close_later(session, [channel] if channel is not None else [])
+        return None
 
     def recover(self, mode: str, timeout_s: float | None = None) -> int:
         """After a failure of this generation, joins the next one as a survivor: ``"rebuild"``
@@ -331,7 +389,10 @@ class CoordinatorClient:
         self._barrier_seq = {}
         if self.relay is not None:
             self.relay.heartbeat_timeout_s = response.heartbeat_timeout_s or self.relay.heartbeat_timeout_s
-        if response.relay_address and response.relay_address != self.relay_target:
+        self._relay_join = None
+        session = self._session
+        on_relay = session is not None and session.relay and not session.closed
+        if response.relay_address and response.relay_address != self.relay_target and not on_relay:
             self._move_to_relay(response.relay_address)
 
     def _move_to_relay(self, target: str) -> None:

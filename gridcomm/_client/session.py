@@ -96,8 +96,11 @@ class Session:
     loop's; the rest runs on the loop."""
 
     def __init__(self, target: str, metadata: tuple[tuple[str, str], ...],
-                 channel: Callable[[], grpc.aio.Channel], *, relay: bool = False) -> None:
+                 channel: Callable[[], grpc.aio.Channel], *, relay: bool = False, wait_for_ready: bool = True) -> None:
         self._target = target
+        #: False: a stream whose server is not listening breaks at once (a tree relay tried
+        #: before the join), instead of waiting for it.
+        self._wait_for_ready = wait_for_ready
         #: A stream to a relay is not opened again once it breaks: the client goes on without
         #: the relay (its operations repeat as unary calls to the coordinator meanwhile).
         self.relay = relay
@@ -114,7 +117,7 @@ class Session:
         self._call: Any = None
         self._has_work: asyncio.Event | None = None
         #: Operations written on the current stream and not answered yet.
-        self._sent: set[int] = set()
+        self._sent: dict[int, str] = {}
         self._tasks: tuple[asyncio.Task[None], ...] = ()
         #: Set by close(): nothing reopens the stream (what is still queued falls back to unary).
         self._closed = False
@@ -183,10 +186,11 @@ class Session:
     def _open(self) -> None:
         # Why wait_for_ready: a coordinator that is not up yet (or a name that does not resolve
         # yet) is waited for; each operation's own timeout bounds the wait.
-        call = pb_grpc.CoordinatorStub(self._channel()).Session(metadata=self._metadata, wait_for_ready=True)
+        call = pb_grpc.CoordinatorStub(self._channel()).Session(metadata=self._metadata,
+                                                                 wait_for_ready=self._wait_for_ready)
         self._call = call
         self._has_work = has_work = asyncio.Event()
-        self._sent = set()
+        self._sent = {}
         # Why kept: the loop holds tasks weakly; an unreferenced pending task can be collected.
         self._tasks = (asyncio.ensure_future(self._write(call, has_work)), asyncio.ensure_future(self._read(call)))
 
@@ -197,7 +201,7 @@ class Session:
                 has_work.clear()
                 batch, self._outbox = self._outbox, pb.SessionRequest()
                 if batch.ops:
-                    self._sent.update(op.id for op in batch.ops)
+                    self._sent.update((op.id, op.WhichOneof("op")) for op in batch.ops)
                     await call.write(batch)
         except asyncio.CancelledError:
             self._broken(call, "cancelled")
@@ -221,7 +225,7 @@ class Session:
             sent, waiters = self._sent, self._waiters
             async for reply in call:
                 for result in reply.results:
-                    sent.discard(result.id)
+                    sent.pop(result.id, None)
                     waiter = waiters.pop(result.id, None)
                     if waiter is not None:
                         waiter.result = result
@@ -243,13 +247,20 @@ class Session:
             self._closed = True
         if self._has_work is not None:
             self._has_work.set()  # ends this stream's writer
-        lost = set(self._sent)
-        lost.update(op.id for op in self._outbox.ops)
-        self._sent, self._outbox = set(), pb.SessionRequest()
+        kinds = dict(self._sent)
+        kinds.update((op.id, op.WhichOneof("op")) for op in self._outbox.ops)
+        lost = set(kinds)
+        self._sent, self._outbox = {}, pb.SessionRequest()
         self._fall_back(lost, f"ended: {why}")
         if lost:
             # Why not a warning when cancelled: that is this process closing the stream (exit).
-            (log.debug if why == "cancelled" else log.warning)(
+            # Why not for a relay that took only heartbeats and leaves with it: its rank's process
+            # ended (a job's ranks finish seconds apart); were it a death, the coordinator names
+            # that rank to everyone, and nothing waited on the stream is lost.
+            # Nor for a relay tried before the join (not waited for): the join says when it gives up.
+            quiet = why == "cancelled" or not self._wait_for_ready or \
+                (self.relay and set(kinds.values()) <= {"heartbeat", "leave"})
+            (log.debug if quiet else log.warning)(
                 "gridcomm: the Session stream to %s ended with %d operations in flight (%s); they are repeated as "
                 "unary calls", self._target, len(lost), why)
 
@@ -269,7 +280,7 @@ class Session:
         # closed) is told now, not at its deadline; it repeats as a unary call, which a closed
         # client refuses.
         self._fall_back(list(self._waiters), "was closed")
-        self._outbox, self._sent = pb.SessionRequest(), set()
+        self._outbox, self._sent = pb.SessionRequest(), {}
         call, self._call = self._call, None
         if self._has_work is not None:
             self._has_work.set()  # ends the writer

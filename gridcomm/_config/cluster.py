@@ -49,6 +49,9 @@ class ClusterInfo:
     port: int
     local_rank: int
     source: str
+    #: The relay tree's addresses as a template (see readers.relay_addresses), where the
+    #: detector can derive every pod's name; None otherwise.
+    relay_addresses: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -233,6 +236,20 @@ def _domain(env: Mapping[str, str], names: _HostNames, default: str | None = Non
     )
 
 
+def _relay_template(env: Mapping[str, str], size: int, pod: Callable[[], str]) -> str | None:
+    """The tree's relay addresses from the pods' names, ``pod()`` with ``{leader}`` for the index
+    (GRIDCOMM_RELAY_ADDRESSES's template, port 13336), where the tree may be used (from
+    RELAY_AUTO_WORLD ranks, or GRIDCOMM_RELAY=on); None where the pods have no resolvable name
+    (no subdomain), which only costs the joins through relays."""
+    mode = _config.relay_mode(env)
+    if mode == "off" or (mode == "auto" and size < _config.RELAY_AUTO_WORLD):
+        return None
+    try:
+        return f"{pod()}:{_config.DEFAULT_RELAY_PORT}"
+    except ConfigError:
+        return None
+
+
 class JobSet(Detector):
     """A pod of a JobSet (jobset.x-k8s.io): hostname ``<jobset>-<replicatedJob>-<jobIndex>-<podIndex>``.
 
@@ -275,7 +292,12 @@ class JobSet(Detector):
                 f"(GRIDCOMM_WORLD_SIZE={size}); check parallelism, replicas and the world size."
             )
         host, port = _address(env, lambda: f"{rjob_prefix}-0-0.{_domain(env, names, default=jobset)}")
-        return ClusterInfo(job_index * per_job + pod_index, size, host, port, _local_rank(env), JobSet.name)
+        # Why only with one job: a group's leader is then pod {leader} of job 0; with several
+        # jobs a group may span two, and GRIDCOMM_RELAY_ADDRESSES says where the relays are.
+        relays = _relay_template(env, size, lambda: f"{rjob_prefix}-0-{{leader}}.{_domain(env, names, default=jobset)}") \
+            if replicas == 1 else None
+        return ClusterInfo(job_index * per_job + pod_index, size, host, port, _local_rank(env), JobSet.name,
+                           relays)
 
 
 class IndexedJob(Detector):
@@ -291,13 +313,13 @@ class IndexedJob(Detector):
         size = _config.world_size(environ=env)
         rank = _config.rank(None, size, env)
 
-        def derive() -> str:
-            hostname = names.hostname
-            prefix = _split_index(hostname, _int(env, "JOB_COMPLETION_INDEX"), "an Indexed Job pod")
-            return f"{prefix}-0.{_domain(env, names)}"
+        def pod(index: str) -> str:
+            prefix = _split_index(names.hostname, _int(env, "JOB_COMPLETION_INDEX"), "an Indexed Job pod")
+            return f"{prefix}-{index}.{_domain(env, names)}"
 
-        host, port = _address(env, derive)
-        return ClusterInfo(rank, size, host, port, _local_rank(env), IndexedJob.name)
+        host, port = _address(env, lambda: pod("0"))
+        relays = _relay_template(env, size, lambda: pod("{leader}"))
+        return ClusterInfo(rank, size, host, port, _local_rank(env), IndexedJob.name, relays)
 
 
 #: Tried in order; the most specific environment first. torchrun comes before Kubernetes because

@@ -293,6 +293,43 @@ def relay_address(explicit: str | None = None, environ: Mapping[str, str] | None
         raise ConfigError(f"GRIDCOMM_RELAY_ADDRESS: {exc}") from None
 
 
+#: The port of a tree relay whose address is derived from a Kubernetes pod name (the coordinator's
+#: default port is 13333, a rank's health port 13334, its metrics port 13335 in deploy/).
+DEFAULT_RELAY_PORT = 13336
+
+
+def relay_addresses(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
+    """GRIDCOMM_RELAY_ADDRESSES: where the tree's relays listen, as a template of ``host:port`` in
+    which ``{leader}`` is the rank that hosts a group's relay and ``{group}`` the group's index
+    (Python format fields, e.g. ``train-{leader}.train:13336`` or ``10.0.0.1:2{group:04d}``); or
+    None. Checked here by formatting it once, so a bad template is named at start, not at join."""
+    value = explicit
+    name = "relay_addresses"
+    if value is None:
+        found = _first(_env(environ), ("GRIDCOMM_RELAY_ADDRESSES",))
+        if found is None or not found[1].strip():
+            return None
+        name, value = found[0], found[1].strip()
+    if "{" not in value:
+        raise ConfigError(f"{name}={value!r} names no relay per group: put {{leader}} (the rank that hosts a "
+                          "group's relay) or {group} in it, e.g. 'train-{leader}.train:13336'.")
+    format_relay_address(value, 0, 0, name)
+    return value
+
+
+def format_relay_address(template: str, leader: int, group: int, name: str = "GRIDCOMM_RELAY_ADDRESSES") -> str:
+    """One group's relay address from the template (see relay_addresses)."""
+    try:
+        text = template.format(leader=leader, group=group)
+    except (KeyError, IndexError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"{name}={template!r} is not a template of {{leader}} and {{group}}: "
+                          f"{type(exc).__name__}: {exc}") from None
+    try:
+        return format_target(*parse_target(text))
+    except ConfigError as exc:
+        raise ConfigError(f"{name}={template!r} gives {text!r} for group {group}: {exc}") from None
+
+
 def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         try:

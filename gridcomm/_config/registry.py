@@ -58,6 +58,11 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("GRIDCOMM_RELAY_ADDRESS", "host:port", "none (the coordinator)",
              "the relay a rank's Session stream dials (set by `gridcomm launch`); its unary calls, and everything "
              "once the relay is gone, go to the coordinator"),
+    Variable("GRIDCOMM_RELAY_ADDRESSES", "template of host:port", "derived in an Indexed Job or JobSet "
+             "(`<job>-{leader}.<subdomain>:13336`), else none",
+             "where each group's relay of the tree listens: `{leader}` is the rank hosting it, `{group}` its index; "
+             "a rank joins through its group's relay (the coordinator then sees one connection per group), and "
+             "joins the coordinator directly if that relay does not answer within 20 s"),
     Variable("GRIDCOMM_HEALTH_PORT", "port", "none",
              "this rank's plaintext grpc.health.v1 port (`\"\"` liveness, `gridcomm.v1.Coordinator` readiness)"),
     Variable("GRIDCOMM_METRICS_PORT", "port", "none",

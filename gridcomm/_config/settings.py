@@ -40,12 +40,17 @@ class ClientSettings:
     #: The relay tree: GRIDCOMM_RELAY and GRIDCOMM_RELAY_FANIN.
     relay_mode: str = "auto"
     relay_fanin: int = readers.DEFAULT_RELAY_FANIN
+    #: GRIDCOMM_RELAY_ADDRESSES (or what a Kubernetes detector derived): the tree's relay
+    #: addresses as a template, so a rank can join through its group's relay; None: joins go to
+    #: the coordinator.
+    relay_addresses: str | None = None
 
     @classmethod
     def resolve(cls, host: str | None = None, port: int | None = None, rank: int | None = None,
                 world_size: int | None = None, token: str | None = None, timeout_s: float | None = None, *,
                 job_id: str | None = None, tls: TlsFiles | None = None, session: str | None = None,
-                relay: str | None = None, environ: Mapping[str, str] | None = None) -> ClientSettings:
+                relay: str | None = None, relay_addresses: str | None = None,
+                environ: Mapping[str, str] | None = None) -> ClientSettings:
         size = readers.world_size(world_size, environ)
         me = readers.rank(rank, size, environ)
         dial_host, dial_port = readers.coordinator_address(host, port, environ)
@@ -53,7 +58,8 @@ class ClientSettings:
                    tls=tls if tls is not None else readers.tls(environ), timeout_s=readers.timeout_s(timeout_s, environ),
                    job_id=readers.job_id(job_id, environ), session=readers.session_mode(session, environ),
                    relay=readers.relay_address(relay, environ), relay_mode=readers.relay_mode(environ),
-                   relay_fanin=readers.relay_fanin(environ))
+                   relay_fanin=readers.relay_fanin(environ),
+                   relay_addresses=readers.relay_addresses(None, environ) or relay_addresses)
 
     @property
     def target(self) -> str:
@@ -173,7 +179,8 @@ class Settings:
             if host is None:
                 host = info.host
                 port = info.port if port is None else port
-        client = ClientSettings.resolve(host, port, rank, n_devices, token, timeout_s, environ=env)
+        client = ClientSettings.resolve(host, port, rank, n_devices, token, timeout_s, environ=env,
+                                        relay_addresses=info.relay_addresses if info is not None else None)
         return cls(client=client, backend=readers.backend(backend, env),
                    embedded=readers.coordinator_mode(env) == "embedded",
                    heartbeat_timeout_s=readers.heartbeat_timeout_s(None, env), bind=readers.bind_address(None, env),
