@@ -12,6 +12,7 @@ from gridcomm._coordinator.server import Coordinator
 from gridcomm._errors import (
     ArgumentError,
     AuthenticationError,
+    CollectiveMismatch,
     CommAborted,
     ConfigError,
     CoordinatorLost,
@@ -20,6 +21,7 @@ from gridcomm._errors import (
     DataPlaneError,
     GridcommError,
     RankFailedError,
+    RankStalled,
     RendezvousTimeout,
 )
 from gridcomm._runtime.health import start_health_server
@@ -29,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ArgumentError",
     "AuthenticationError",
+    "CollectiveMismatch",
     "CommAborted",
     "Communicator",
     "ConfigError",
@@ -40,6 +43,7 @@ __all__ = [
     "DataPlaneError",
     "GridcommError",
     "RankFailedError",
+    "RankStalled",
     "RendezvousTimeout",
     "__version__",
     "init_process_group",

@@ -49,6 +49,20 @@ class RankFailedError(GridcommError):
         self.reason = reason
 
 
+class RankStalled(RankFailedError):
+    """Raised on every rank when a live rank (``rank``) stopped making progress: its peers waited
+    in a collective or barrier it did not enter for ``GRIDCOMM_STALL_TIMEOUT_S``, or a collective
+    every rank entered did not return. The stalled rank writes its threads' stacks to stderr and
+    its liveness turns NOT_SERVING (kubelet restarts it). Catchable as :class:`RankFailedError`
+    (``rebuild()`` gets a replacement)."""
+
+
+class CollectiveMismatch(RankFailedError):
+    """Raised on every rank when ranks called different collectives at the same position of a
+    communicator (``GRIDCOMM_DEBUG=collectives``): the message names the position, both calls and
+    their ranks; ``rank`` is the odd one out. Catchable as :class:`RankFailedError`."""
+
+
 class AuthenticationError(GridcommError):
     """Raised when the coordinator refused the caller's token or TLS credentials."""
 

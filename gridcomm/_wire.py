@@ -13,12 +13,14 @@ import grpc
 
 from gridcomm._errors import (
     AuthenticationError,
+    CollectiveMismatch,
     CommAborted,
     ConfigError,
     CoordinatorRestarted,
     CoordinatorUnavailable,
     GridcommError,
     RankFailedError,
+    RankStalled,
     RendezvousTimeout,
 )
 
@@ -26,6 +28,8 @@ SERVICE_NAME = "gridcomm.v1.Coordinator"
 #: Trailers: the ranks a timed-out wait still waits for, and the rank whose failure ended a call.
 MISSING_KEY = "gridcomm-missing-ranks"
 FAILED_KEY = "gridcomm-failed-rank"
+#: Beside it, where the failure was a hang: "stall" or "mismatch" (RankStalled, CollectiveMismatch).
+FAILED_CAUSE_KEY = "gridcomm-failed-cause"
 #: Trailer on a FAILED_PRECONDITION refusal from a coordinator that has no record of a rank that
 #: says it joined: the coordinator restarted and lost the job (CoordinatorRestarted, not ConfigError).
 RESTARTED_KEY = "gridcomm-coordinator-restarted"
@@ -151,7 +155,9 @@ def translate(error: grpc.RpcError, what: str, target: str) -> GridcommError:
     failed = _metadata_value(error, FAILED_KEY)
     if failed is not None:
         rank = int(failed) if failed.lstrip("-").isdigit() else -1
-        return RankFailedError(f"{what}: {details}", rank=rank, reason=details)
+        kind = {"stall": RankStalled, "mismatch": CollectiveMismatch}.get(_metadata_value(error, FAILED_CAUSE_KEY) or "",
+                                                                        RankFailedError)
+        return kind(f"{what}: {details}", rank=rank, reason=details)
     cls = STATUS_ERRORS.get(code, GridcommError)
     for (status, key), refined in TRAILER_ERRORS.items():
         if code == status and _metadata_value(error, key) is not None:

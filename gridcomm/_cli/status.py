@@ -48,15 +48,29 @@ def _header(reply: pb.StatusResponse) -> str:
             f"{generation}, {'SERVING' if reply.serving else 'NOT_SERVING'}, up {reply.uptime_s:.1f} s")
 
 
+def _last(progress: pb.Progress) -> str:
+    """``all_reduce #1042, 0.3 s ago (in it)``: a rank's last collective in a communicator."""
+    if not progress.entered:
+        return f"{progress.communicator}: no collective yet"
+    return (f"{progress.communicator}: {progress.kind or 'collective'} #{progress.entered}, {progress.age_s:.1f} s ago"
+            f"{' (in it)' if progress.inside else ''}")
+
+
 def render(reply: pb.StatusResponse, refusals: Sequence[RefusedJoin] = ()) -> list[str]:
-    """The plain report: one line per rank (up to 256), then barriers, failures, refused joins."""
+    """The plain report: one line per rank (up to 256) with its last collective, who is late,
+    then barriers, failures, refused joins."""
     lines = [_header(reply)]
     if reply.missing_ranks:
         lines.append(f"missing ranks ({len(reply.missing_ranks)}): {list(reply.missing_ranks)[:64]}")
+    last = {p.rank: p for p in reply.progress if p.communicator == "world"}
     for m in list(reply.members)[:256]:
-        lines.append(f"  rank {m.rank:>5}  {_STATES.get(m.state, '?'):<7} {m.hostname}  incarnation {m.incarnation:#018x}")
+        seen = f"  last {_last(last[m.rank])}" if m.rank in last else ""
+        lines.append(f"  rank {m.rank:>5}  {_STATES.get(m.state, '?'):<7} {m.hostname}  incarnation {m.incarnation:#018x}"
+                     f"{seen}")
     if len(reply.members) > 256:
         lines.append(f"  ... {len(reply.members) - 256} more")
+    for line in reply.late:
+        lines.append(f"LATE {line}")
     for b in reply.barriers:
         lines.append(f"barrier {b.name!r} #{b.seq}: {len(b.arrived_ranks)} arrived, waiting {b.waiting_s:.1f} s for "
                      f"{list(b.missing_ranks)[:32]}")
@@ -76,6 +90,9 @@ def render_live(reply: pb.StatusResponse, refusals: Sequence[RefusedJoin], max_l
     lines = [_header(reply),
              f"  missing  ({len(reply.missing_ranks)}): {ranges(reply.missing_ranks)}",
              *(f"  {state:<8} ({len(ranks)}): {ranges(ranks)}" for state, ranks in by_state.items())]
+    if reply.late:
+        lines.append(f"late in collectives: {len(reply.late)}")
+        lines.extend(f"  {line[:200]}" for line in reply.late[:6])
     barriers = sorted(reply.barriers, key=lambda b: -b.waiting_s)
     lines.append(f"pending barriers: {len(barriers)}")
     for b in barriers[:10]:

@@ -27,6 +27,7 @@ from gridcomm import _config
 from gridcomm._client import progress as _progress
 from gridcomm._client import session as _session
 from gridcomm._client.channel import make_aio_channel, make_channel
+from gridcomm._client.tracker import Tracker
 from gridcomm._client.watcher import Watcher
 from gridcomm._config.settings import ClientSettings
 from gridcomm._errors import (
@@ -161,6 +162,8 @@ class CoordinatorClient:
         self._on_failure: Callable[[GridcommError], None] | None = None
         self._failure_lock = threading.Lock()
         self._watcher: Watcher | None = None
+        #: The communicators' progress counters this client's heartbeats carry (see tracker).
+        self._trackers: list[Tracker] = []
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -415,6 +418,18 @@ class CoordinatorClient:
             handler(error)
         else:
             log.warning("rank %d: %s", self.rank, error)
+
+    def track(self, tracker: Tracker) -> None:
+        """Carries ``tracker``'s progress on every heartbeat from now on (a communicator's)."""
+        self._trackers = [*self._trackers, tracker]
+
+    def untrack(self, tracker: Tracker) -> None:
+        self._trackers = [t for t in self._trackers if t is not tracker]
+
+    def progress(self) -> list[pb.Progress]:
+        """What the next heartbeat says of this rank's progress (this generation's communicators)."""
+        generation = self._generation
+        return [t.progress() for t in self._trackers if t.generation == generation][:64]
 
     def on_failure(self, handler: Callable[[GridcommError], None] | None) -> None:
         """Sets who hears of this generation's first failure (from the watcher's thread); called

@@ -119,6 +119,8 @@ class Relay:
         #: rank -> (its latest caller, when its last heartbeat arrived (loop time), and the
         #: background loop's lag then: lag after it is left out of the age the relay reports)
         self._beats: dict[int, tuple[pb.Caller, float, float]] = {}
+        #: rank -> its last heartbeat's progress entries (their ages as of that heartbeat's arrival).
+        self._progress: dict[int, list[pb.Progress]] = {}
         self._beat_waiters: set[asyncio.Future[None]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._latest = pb.HeartbeatResponse()
@@ -274,6 +276,10 @@ class Relay:
         request = op.heartbeat
         loop = asyncio.get_running_loop()
         self._beats[request.caller.rank] = (request.caller, loop.time(), _eventloop.lag_s())
+        if request.progress:
+            self._progress[request.caller.rank] = list(request.progress[:64])
+        else:
+            self._progress.pop(request.caller.rank, None)
 
         async def answer() -> None:
             if not self._latest.failures:
@@ -374,6 +380,7 @@ class Relay:
         if kind == "leave" and not result.code:
             for _child, _op_id, op in route:
                 self._beats.pop(op.leave.caller.rank, None)
+                self._progress.pop(op.leave.caller.rank, None)
         for child, op_id, _op in route:
             answer = pb.SessionResult()
             answer.CopyFrom(result)
@@ -424,9 +431,16 @@ class Relay:
             beats = list(self._beats.values())
             # Why the lag is left out: this process's loop (the relay's, and in a node agent or a
             # simulation its ranks' too) ran behind, which is not the ranks' silence.
+            ages = [max(0.0, (now - t) - (lag - at)) for _, t, at in beats]
             request = pb.HeartbeatRequest(caller=beats[0][0], wait_s=period, relayed=True,
-                                          also=[c for c, _, _ in beats],
-                                          also_age_s=[max(0.0, (now - t) - (lag - at)) for _, t, at in beats])
+                                          also=[c for c, _, _ in beats], also_age_s=ages)
+            for (caller, _, _), age in zip(beats, ages, strict=True):
+                for entry in self._progress.get(caller.rank, ()):
+                    # Why the age added: the coordinator dates the entry from this message's arrival.
+                    relayed = request.progress.add()
+                    relayed.CopyFrom(entry)
+                    relayed.rank = caller.rank
+                    relayed.age_s = entry.age_s + age if entry.age_s == entry.age_s else 0.0
             answered: asyncio.Future[pb.SessionResult] = loop.create_future()
 
             def done(result: pb.SessionResult, answered: asyncio.Future[pb.SessionResult] = answered) -> None:

@@ -23,7 +23,14 @@ import grpc
 
 from gridcomm import _config
 from gridcomm._client.session import Session, StreamBroken
-from gridcomm._errors import CoordinatorLost, CoordinatorUnavailable, GridcommError, RankFailedError
+from gridcomm._errors import (
+    CollectiveMismatch,
+    CoordinatorLost,
+    CoordinatorUnavailable,
+    GridcommError,
+    RankFailedError,
+    RankStalled,
+)
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._runtime.loop import current as _current_loop
@@ -38,8 +45,12 @@ START_WAIT_S = 10.0
 
 def failure_error(failure: pb.Failure, observer: int) -> RankFailedError:
     when = time.strftime("%H:%M:%S", time.localtime(failure.at_unix_s)) if failure.at_unix_s else "?"
-    return RankFailedError(f"rank {failure.rank} failed at {when}: {failure.reason} (seen by rank {observer})",
-                           rank=failure.rank, reason=failure.reason)
+    if failure.cause == pb.FAILURE_CAUSE_MISMATCH:
+        return CollectiveMismatch(f"mismatched collectives (seen at {when}): {failure.reason} (seen by rank {observer})",
+                                  rank=failure.rank, reason=failure.reason)
+    kind = RankStalled if failure.cause == pb.FAILURE_CAUSE_STALL else RankFailedError
+    return kind(f"rank {failure.rank} failed at {when}: {failure.reason} (seen by rank {observer})",
+                rank=failure.rank, reason=failure.reason)
 
 
 class Watched(Protocol):
@@ -72,6 +83,10 @@ class Watched(Protocol):
 
     def relay_unreachable(self, session: Session) -> None:
         """The relay ``session`` dials did not answer a heartbeat in time."""
+        ...
+
+    def progress(self) -> list[pb.Progress]:
+        """The rank's progress in its communicators, for the next heartbeat."""
         ...
 
 
@@ -136,7 +151,7 @@ class Watcher:
                     # heartbeat at once (with the failures); heartbeats go on at the bound's pace.
                     await asyncio.sleep(interval)
                 generation = client.generation
-                request = pb.HeartbeatRequest(caller=client.caller, wait_s=interval)
+                request = pb.HeartbeatRequest(caller=client.caller, wait_s=interval, progress=client.progress())
                 # Why a deadline well past the server's answer (at ``interval``): a call the
                 # client gives up on is cancelled on the server, which reads a dropped heartbeat
                 # as a dead process after its short grace. An overloaded but live rank (256

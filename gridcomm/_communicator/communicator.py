@@ -1,21 +1,27 @@
 """The communicator: one backend (NCCL or host) plus the control-plane client that built it.
 
 This is where gRPC (through the client) and CuPy (through the NCCL backend) meet; neither
-backend module imports the other side. Collective methods are bound straight to the backend
-at construction, so a call costs no extra Python frame; after ``stop()``, ``abort()`` or a
-reported failure they are rebound to raise, so no per-call flag check is needed either.
+backend module imports the other side. Collective methods are bound at construction to the
+backend's, counted on the way (one frame and one clock read: the progress the heartbeats carry,
+see gridcomm._client.tracker); after ``stop()``, ``abort()`` or a reported failure they are
+rebound to raise, so no per-call flag check is needed.
 """
 
 from __future__ import annotations
 
 import copy
+import faulthandler
 import logging
+import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from gridcomm import _config
 from gridcomm._backends.base import Backend, Hooks
 from gridcomm._backends.host.plane import PlaneConfig
 from gridcomm._client.client import SHORT_CALL_S, CoordinatorClient
+from gridcomm._client.tracker import COUNTED, Tracker
 from gridcomm._config.settings import NcclSettings
 from gridcomm._errors import (
     CommAborted,
@@ -24,6 +30,7 @@ from gridcomm._errors import (
     CoordinatorUnavailable,
     GridcommError,
     RankFailedError,
+    RankStalled,
     coordinator_lost,
 )
 from gridcomm._runtime.health import ProcessHealth
@@ -33,6 +40,11 @@ log = logging.getLogger(__name__)
 
 #: How long a rank that saw a peer fail waits for its leave to be answered.
 LEAVE_AFTER_FAILURE_S = 2.0
+
+def _fingerprints() -> bool:
+    """GRIDCOMM_DEBUG=collectives: fingerprint every collective (read per communicator)."""
+    return "collectives" in _config.debug_flags()
+
 
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gather", "send", "recv", "send_recv",
                "scatter", "gather", "all_to_all")
@@ -125,8 +137,12 @@ class Communicator:
         #: Global (job) rank of each member, indexed by this communicator's rank.
         self.members: tuple[int, ...] = tuple(range(self.world_size)) if members is None else tuple(members)
         self._participants: tuple[int, ...] = () if parent is None else tuple(sorted(self.members))
+        #: This rank's progress here, carried on its heartbeats (see gridcomm._client.tracker).
+        self._tracker = Tracker(name, client.generation, fingerprints=_fingerprints())
         for method in COLLECTIVES:
-            setattr(self, method, getattr(backend, method))
+            call = getattr(backend, method)
+            setattr(self, method, self._tracker.counted(method, call) if method in COUNTED else call)
+        client.track(self._tracker)
         self._set_ready(True)
         if parent is None:
             # Hears of this generation's first failure (at once if it came before this was made).
@@ -151,6 +167,27 @@ class Communicator:
         # Readiness only: liveness stays SERVING while this process answers, so kubelet does not
         # kill a survivor while it reports the failure or recovers.
         root._set_ready(False)
+        if isinstance(error, RankStalled) and error.rank == self._client.rank:
+            root._stalled(error)
+
+    def _stalled(self, error: RankStalled) -> None:
+        """This rank is the one the others waited for: show where it hangs and have it restarted.
+        Its main thread is stuck somewhere (it may never call gridcomm again), so this runs on the
+        watcher's thread: every thread's stack goes to stderr, and liveness turns NOT_SERVING
+        (the one case where a live process must fail its liveness probe: kubelet restarts the pod,
+        and the survivors' rebuild() gets a replacement)."""
+        sys.stderr.write(f"gridcomm: rank {self.rank} is stalled: {error.reason}\n"
+                         "gridcomm: the stacks of this process's threads (the main thread shows where it waits):\n")
+        sys.stderr.flush()
+        try:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        except (OSError, ValueError, RuntimeError) as exc:  # no fd (stderr replaced): Python's own view
+            log.warning("rank %d: faulthandler could not write the stacks (%s)", self.rank, exc)
+            for ident, frame in sys._current_frames().items():
+                sys.stderr.write(f"Thread {ident}:\n{''.join(traceback.format_stack(frame))}")
+        sys.stderr.flush()
+        if self._job is not None and self._job.health is not None:
+            self._job.health.set_live(False)
 
     def _set_ready(self, ready: bool) -> None:
         """Readiness on the rank's health port, held up by each root communicator that is up."""
@@ -238,12 +275,15 @@ class Communicator:
         label = "barrier" if name is None else name
         if not isinstance(label, str) or not label:
             raise ConfigError(f"barrier name must be a non-empty str, not {name!r}.")
+        self._tracker.enter("barrier", f"barrier({label!r})")
         try:
             self._client.barrier(f"{self.name}/{label}", timeout_s, participants=self._participants)
         except GridcommError as exc:
             root = self._root()
             raise (root._closed if isinstance(root._closed, RankFailedError) else
                    coordinator_lost(exc, root.coordinator_rank)) from exc
+        finally:
+            self._tracker.leave()
 
     def split(self, color: int | None, key: int | None = None) -> Communicator | None:
         """A sub-communicator of the ranks that pass the same ``color``, ordered by ``key`` (then
@@ -254,7 +294,11 @@ class Communicator:
                 raise ConfigError(f"split: {label}={value!r} must be an integer or None.")
         color_v = -1 if color is None or int(color) < 0 else int(color)
         key_v = self.rank if key is None else int(key)
-        table = self._backend.exchange_ints([color_v, key_v])
+        self._tracker.enter("split", "split()")
+        try:
+            table = self._backend.exchange_ints([color_v, key_v])
+        finally:
+            self._tracker.leave()
         self._splits += 1
         # Members ordered by (key, parent rank), as ncclCommSplit orders them.
         ranks = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(table) if c == color_v)]
@@ -282,6 +326,7 @@ class Communicator:
 
     def _close(self, error: GridcommError) -> None:
         self._closed = error
+        self._client.untrack(self._tracker)
 
         def refuse(*_args: Any, **_kwargs: Any) -> None:
             raise copy.copy(error)  # keeps .rank and .reason

@@ -117,7 +117,8 @@ class Job:
         if self.rank == 0 and settings.embedded:
             server = CoordinatorSettings.resolve(
                 self.world_size, bind=settings.bind, port=dial.port, token=dial.token, job_id=dial.job_id,
-                heartbeat_timeout_s=settings.heartbeat_timeout_s, tls=dial.tls, metrics_port=settings.metrics_port)
+                heartbeat_timeout_s=settings.heartbeat_timeout_s, tls=dial.tls, metrics_port=settings.metrics_port,
+                call_timeout_s=dial.timeout_s)
             self.coordinator = Coordinator(settings=server).start()
             # Why: rank 0 dials its own server directly, not through a DNS name that may lag (with
             # TLS it keeps the configured name, which the certificate is issued for, unless

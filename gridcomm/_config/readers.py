@@ -26,6 +26,14 @@ DEFAULT_JOB_ID = "default"
 #: A rank not heard from for this long is declared failed (GRIDCOMM_HEARTBEAT_TIMEOUT_S).
 DEFAULT_HEARTBEAT_TIMEOUT_S = 15.0
 BACKENDS = ("auto", "nccl", "host")
+#: How long ranks may wait in a collective a live rank has not entered before it is named
+#: (GRIDCOMM_STALL_TIMEOUT_S); never more than the call timeout. Why 120 s: far above a step's
+#: skew between ranks in a healthy job (and 8x the liveness bound), so one rank's long solo work
+#: between collectives (an evaluation, a checkpoint it writes alone) is not a stall; far below
+#: torch's 10-minute NCCL watchdog and the 300 s call timeout, whose expiry names nobody useful.
+DEFAULT_STALL_TIMEOUT_S = 120.0
+#: What GRIDCOMM_DEBUG may name (comma-separated).
+DEBUG_FLAGS = ("collectives",)
 
 
 def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
@@ -178,6 +186,39 @@ def heartbeat_timeout_s(explicit: float | None = None, environ: Mapping[str, str
         return parse_duration("heartbeat_timeout_s", explicit)
     found = _first(_env(environ), ("GRIDCOMM_HEARTBEAT_TIMEOUT_S",))
     return DEFAULT_HEARTBEAT_TIMEOUT_S if found is None else parse_duration(found[0], found[1])
+
+
+def stall_timeout_s(explicit: float | None = None, environ: Mapping[str, str] | None = None, *,
+                    call_timeout_s: float | None = None) -> float:
+    """The stall bound: argument, GRIDCOMM_STALL_TIMEOUT_S (``0``: off), then 120 s, or the call
+    timeout (GRIDCOMM_TIMEOUT_S) where that is shorter; a bound above the call timeout is refused
+    (the calls would time out, naming nobody useful, before the stall is named)."""
+    env = _env(environ)
+    call_s = timeout_s(None, env) if call_timeout_s is None else call_timeout_s
+    if explicit is not None:
+        name, value = "stall_timeout_s", parse_duration("stall_timeout_s", explicit, allow_zero=True)
+    else:
+        found = _first(env, ("GRIDCOMM_STALL_TIMEOUT_S",))
+        if found is None:
+            return min(DEFAULT_STALL_TIMEOUT_S, call_s)
+        name, value = found[0], parse_duration(found[0], found[1], allow_zero=True)
+    if value > call_s:
+        raise ConfigError(f"{name}={value:g} is longer than the call timeout GRIDCOMM_TIMEOUT_S={call_s:g}: every "
+                          f"wait would end first, naming nobody; set {name} to at most {call_s:g} (0 turns it off).")
+    return value
+
+
+def debug_flags(environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """GRIDCOMM_DEBUG: comma-separated checks to turn on (``collectives``: mismatched collectives)."""
+    found = _first(_env(environ), ("GRIDCOMM_DEBUG",))
+    if found is None:
+        return frozenset()
+    flags = frozenset(f.strip().lower() for f in found[1].split(",") if f.strip())
+    unknown = sorted(flags - set(DEBUG_FLAGS))
+    if unknown:
+        raise ConfigError(f"GRIDCOMM_DEBUG={found[1]!r} names {', '.join(unknown)}; it knows "
+                          f"{', '.join(DEBUG_FLAGS)} (comma-separated).")
+    return flags
 
 
 def token(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:

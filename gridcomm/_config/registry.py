@@ -42,6 +42,12 @@ VARIABLES: tuple[Variable, ...] = (
              "`timeout_s=`"),
     Variable("GRIDCOMM_HEARTBEAT_TIMEOUT_S", "seconds", "15 s",
              "a rank not heard from for this long is declared failed", "`heartbeat_timeout_s=` (`Coordinator`)"),
+    Variable("GRIDCOMM_STALL_TIMEOUT_S", "seconds, `0` off", "120 s (at most `GRIDCOMM_TIMEOUT_S`)",
+             "how long ranks may wait in a collective (or barrier) that a live rank has not entered before that rank "
+             "is failed as stalled (read where the coordinator runs)", "`stall_timeout_s=` (`Coordinator`)"),
+    Variable("GRIDCOMM_DEBUG", "`collectives`", "none",
+             "`collectives`: every rank fingerprints each collective (kind, op, count x dtype, root) and the "
+             "coordinator names the first one ranks called differently"),
     Variable("GRIDCOMM_JOB_ID", "string", "`default`", "the job's name; a rank of another job is refused",
              "`job_id=`"),
     Variable("GRIDCOMM_BACKEND", "`auto`, `nccl`, `host`", "`nccl`", "the communicator backend", "`backend=`"),

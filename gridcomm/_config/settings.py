@@ -81,18 +81,22 @@ class CoordinatorSettings:
     heartbeat_timeout_s: float
     health_port: int | None
     metrics_port: int | None
+    #: GRIDCOMM_STALL_TIMEOUT_S (0: stalls are not named).
+    stall_timeout_s: float = readers.DEFAULT_STALL_TIMEOUT_S
 
     @classmethod
     def resolve(cls, world_size: int, bind: str = "0.0.0.0", port: int = 0, token: str | None = None, *,
                 job_id: str | None = None, heartbeat_timeout_s: float | None = None, tls: TlsFiles | None = None,
                 health_port: int | None = None, metrics_port: int | None = None,
+                stall_timeout_s: float | None = None, call_timeout_s: float | None = None,
                 environ: Mapping[str, str] | None = None) -> CoordinatorSettings:
         _, requested = readers.coordinator_address("localhost", port, environ)
         return cls(world_size=readers.world_size(world_size), bind=readers.validate_host("bind", bind), port=requested,
                    token=readers.validate_token("token", token) if token is not None else None, tls=tls,
                    job_id=readers.job_id(job_id, environ),
                    heartbeat_timeout_s=readers.heartbeat_timeout_s(heartbeat_timeout_s, environ),
-                   health_port=health_port, metrics_port=metrics_port)
+                   health_port=health_port, metrics_port=metrics_port,
+                   stall_timeout_s=readers.stall_timeout_s(stall_timeout_s, environ, call_timeout_s=call_timeout_s))
 
     @classmethod
     def serve(cls, world_size: int | None = None, bind: str | None = None, port: int | None = None,

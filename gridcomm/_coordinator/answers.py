@@ -12,7 +12,7 @@ import grpc
 
 from gridcomm._coordinator.state import Member, StateError
 from gridcomm._proto import coordinator_pb2 as pb
-from gridcomm._wire import FAILED_KEY, RESTARTED_KEY
+from gridcomm._wire import FAILED_CAUSE_KEY, FAILED_KEY, RESTARTED_KEY
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ def status_of(name: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple[tu
         metadata: tuple[tuple[str, str], ...] = ()
         if exc.failed_rank is not None:
             metadata = ((FAILED_KEY, str(exc.failed_rank)),)
+            if exc.failed_cause:
+                metadata += ((FAILED_CAUSE_KEY, exc.failed_cause),)
         elif exc.restarted:
             metadata = ((RESTARTED_KEY, "1"),)
         return getattr(grpc.StatusCode, exc.code), details(exc.message), metadata
@@ -121,4 +123,8 @@ def failure_pb(failure: Any) -> pb.Failure:
         reason=failure.reason,
         at_unix_s=time.time() - (time.monotonic() - failure.at),
         reported_by=failure.reported_by,
+        cause=_CAUSES.get(getattr(failure, "cause", ""), pb.FAILURE_CAUSE_UNSPECIFIED),
     )
+
+
+_CAUSES = {"stall": pb.FAILURE_CAUSE_STALL, "mismatch": pb.FAILURE_CAUSE_MISMATCH}

@@ -74,6 +74,8 @@ class CoordinatorMetrics:
         #: Joins refused (wrong world size, job id, rank taken ...), by status code name.
         self.join_refusals: collections.Counter[str] = collections.Counter()
         self.refused_joins: collections.deque[RefusedJoin] = collections.deque(maxlen=_KEEP_REFUSALS)
+        #: Ranks failed for a hang, by cause ("stall", "mismatch").
+        self.hangs: collections.Counter[str] = collections.Counter()
         self._refusal_logged_at = -1e9
         self._refusals_unlogged = 0
 
@@ -193,6 +195,8 @@ class _Snapshot:
     session_op_errors: dict[tuple[str, str], int]
     join_refusals: dict[str, int]
     loop_lag_s: float = 0.0
+    hangs: dict[str, int] = dataclasses.field(default_factory=dict)
+    longest_collective_wait_s: float = 0.0
 
 
 def _snapshot(coordinator: Any) -> _Snapshot:
@@ -220,6 +224,7 @@ def _snapshot(coordinator: Any) -> _Snapshot:
         rpcs=dict(metrics.rpcs), ops=dict(metrics.ops),
         session_op_errors=dict(metrics.session_op_errors), join_refusals=dict(metrics.join_refusals),
         loop_lag_s=servicer.lag.total_s if servicer is not None else 0.0,
+        hangs=dict(metrics.hangs), longest_collective_wait_s=state.progress.longest_wait(now),
     )
 
 
@@ -319,6 +324,15 @@ class _Collector:
         for code, count in sorted(snap.join_refusals.items()):
             joins.add_metric([code], count)
         yield joins
+        hangs = CounterMetricFamily("gridcomm_hangs", "Ranks failed for a hang: `stall` (a live rank did not enter "
+                                    "a collective its peers waited in, GRIDCOMM_STALL_TIMEOUT_S) or `mismatch` "
+                                    "(ranks called different collectives, GRIDCOMM_DEBUG=collectives).", labels=["cause"])
+        for cause in ("stall", "mismatch"):
+            hangs.add_metric([cause], snap.hangs.get(cause, 0))
+        yield hangs
+        yield gauge("gridcomm_collective_longest_wait_seconds", "How long the ranks furthest ahead in a communicator "
+                    "have waited for its last rank to enter their collective (0: none behind).",
+                    snap.longest_collective_wait_s)
         yield counter("gridcomm_server_restarts", "Times a server of the coordinator was found dead and bound again.",
                       snap.restarts)
 

@@ -139,6 +139,7 @@ class Coordinator:
         *,
         job_id: str | None = None,
         heartbeat_timeout_s: float | None = None,
+        stall_timeout_s: float | None = None,
         limits: Limits | None = None,
         tls: _config.TlsFiles | None = None,
         health_port: int | None = None,
@@ -150,6 +151,7 @@ class Coordinator:
                 raise ConfigError("Coordinator needs world_size (or settings=).")
             settings = CoordinatorSettings.resolve(world_size, bind, port, token, job_id=job_id,
                                                    heartbeat_timeout_s=heartbeat_timeout_s, tls=tls,
+                                                   stall_timeout_s=stall_timeout_s,
                                                    health_port=health_port, metrics_port=metrics_port)
         self.settings = settings
         self.world_size = settings.world_size
@@ -158,6 +160,8 @@ class Coordinator:
         self._token = settings.token
         self.job_id = settings.job_id
         self.heartbeat_timeout_s = settings.heartbeat_timeout_s
+        #: A live rank the others wait for in a collective this long is failed as stalled (0: off).
+        self.stall_timeout_s = settings.stall_timeout_s
         #: At interpreter exit without stop(), how long to keep serving for ranks still joined.
         self.exit_grace_s = min(30.0, 2 * self.heartbeat_timeout_s)
         #: No single long-poll is held longer than this, whatever wait_s a request asks for.

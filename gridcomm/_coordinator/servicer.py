@@ -21,6 +21,8 @@ import grpc
 from gridcomm._coordinator.answers import Abort, RefusalLog, bounded, failure_pb, member_pb
 from gridcomm._coordinator.metrics import CoordinatorMetrics
 from gridcomm._coordinator.state import REBUILD, SHRINK, JobState, Member, StateError, quote
+from gridcomm._coordinator.state.progress import MAX_ENTRIES as MAX_PROGRESS_ENTRIES
+from gridcomm._coordinator.state.progress import Entry, check_entry
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._runtime.guard import token_problem
 from gridcomm._runtime.lag import LagMeter
@@ -45,6 +47,7 @@ class Owner(Protocol):
 
     state: JobState
     heartbeat_timeout_s: float
+    stall_timeout_s: float
     max_wait_s: float
     connection_grace_s: float
     metrics: CoordinatorMetrics
@@ -192,11 +195,27 @@ class Servicer:
         if self._state.all_left():
             self._owner.note_all_left()
 
-    def _fail(self, rank: int, reason: str) -> None:
-        failure = self._state.fail(rank, reason, -1, self._now())
+    def _fail(self, rank: int, reason: str, cause: str = "") -> None:
+        failure = self._state.fail(rank, reason, -1, self._now(), cause)
         if failure is not None:
             log.error("coordinator: %s", reason)
+            if cause:
+                self.metrics.hangs[cause] += 1
             self._on_failure()
+
+    @staticmethod
+    def _entries(progress: Any, what: str) -> list[Entry]:
+        """A heartbeat's progress entries, checked (bad bytes are refused, never stored)."""
+        if len(progress) > MAX_PROGRESS_ENTRIES:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{what} reports {len(progress)} communicators (at most {MAX_PROGRESS_ENTRIES}).")
+        entries = []
+        for p in progress:
+            wrong = check_entry(p.communicator, p.entered, p.kind, p.age_s, p.recent)
+            if wrong is not None:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {wrong}.")
+            entries.append(Entry(p.communicator, p.entered, p.kind, p.age_s, p.inside, tuple(p.recent)))
+        return entries
 
     # ------------------------------------------------------------------ operations
     async def join(self, request: pb.JoinRequest, deadline: float | None) -> pb.JoinResponse:
@@ -423,7 +442,10 @@ class Servicer:
         member = state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, "heartbeat",
                                     any_generation=True)
         self.metrics.ops["heartbeat"] += 1
-        state.heartbeat(member.rank, self._now(), self.lag.total_s)
+        now = self._now()
+        if request.progress:
+            state.report_progress(member.rank, caller.generation, self._entries(request.progress, "a heartbeat"), now)
+        state.heartbeat(member.rank, now, self.lag.total_s)
         beat = member.last_heartbeat
         self._wake(("beat", member.rank))  # a second process for this rank may wait to learn it is alive
         try:
@@ -450,12 +472,26 @@ class Servicer:
         now, lag = self._now(), self.lag.total_s
         bound = self._owner.heartbeat_timeout_s
         self.metrics.ops["heartbeat"] += len(ages)
+        if len(request.progress) > MAX_PROGRESS_ENTRIES * len(ages):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"a relayed heartbeat reports {len(request.progress)} progress entries for {len(ages)} ranks "
+                        f"(at most {MAX_PROGRESS_ENTRIES} each).")
+        progress: dict[int, list[Any]] = {}
+        for p in request.progress:
+            progress.setdefault(p.rank, []).append(p)
         for caller, age in zip(request.also, ages, strict=True):
             try:
                 member = state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation,
                                             "heartbeat", any_generation=True)
             except StateError:
                 continue
+            mine = progress.get(caller.rank)
+            if mine:
+                try:
+                    state.report_progress(member.rank, caller.generation,
+                                          self._entries(mine, f"rank {caller.rank}'s relayed heartbeat"), now)
+                except Abort as exc:
+                    log.warning("coordinator: %s (its progress is left out)", exc.message)
             # Why clamped: the age comes off the wire (NaN, negative, absurd).
             at = now - (min(age, 2 * bound) if age == age and age > 0 else 0.0)
             if member.last_heartbeat is None or at > member.last_heartbeat:
@@ -491,6 +527,13 @@ class Servicer:
                            "sent no heartbeat for {t:.1f} s (hung, partitioned, or overloaded)").format(t=silent)
                     note = f"; the coordinator's own lag of {lag:.1f} s so far is not counted" if lag >= 0.5 else ""
                     self._fail(rank, f"rank {rank} on {member.hostname or '?'} {why}{note}")
+                stall_s = self._owner.stall_timeout_s
+                if stall_s > 0:
+                    # Why the liveness bound as freshness: a rank whose reports stopped is judged
+                    # by liveness (silent), not named as the laggard on a stale report.
+                    hang = self._state.hang(now, stall_s, timeout)
+                    if hang is not None:
+                        self._fail(hang.rank, hang.reason, hang.cause)
         finally:
             meter.cancel()
 
@@ -528,4 +571,22 @@ class Servicer:
             failures=[failure_pb(f) for f in state.failures],
             uptime_s=now - state.started_at,
             serving=self._owner.serving,
+            progress=self._progress_rows(now),
+            late=state.progress.late_lines(now, self._owner.heartbeat_timeout_s),
         )
+
+    def _progress_rows(self, now: float) -> list[pb.Progress]:
+        """Each rank's last collective per communicator, at most 4 x world size rows (the world's first)."""
+        state = self._state
+        if state.progress.generation != state.generation:
+            return []
+        rows: list[pb.Progress] = []
+        cap = 4 * state.world_size
+        comms = sorted(state.progress.communicators.values(), key=lambda c: (c.name != "world", c.name))
+        for comm in comms:
+            for rank, entered, kind, age, inside in comm.rows(now):
+                if len(rows) >= cap:
+                    return rows
+                rows.append(pb.Progress(communicator=comm.name, rank=rank, entered=entered, kind=kind, age_s=age,
+                                        inside=inside))
+        return rows

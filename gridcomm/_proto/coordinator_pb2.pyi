@@ -13,6 +13,12 @@ class MemberState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEMBER_STATE_LEFT: _ClassVar[MemberState]
     MEMBER_STATE_FAILED: _ClassVar[MemberState]
 
+class FailureCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_CAUSE_UNSPECIFIED: _ClassVar[FailureCause]
+    FAILURE_CAUSE_STALL: _ClassVar[FailureCause]
+    FAILURE_CAUSE_MISMATCH: _ClassVar[FailureCause]
+
 class Recovery(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RECOVERY_NONE: _ClassVar[Recovery]
@@ -22,6 +28,9 @@ MEMBER_STATE_UNSPECIFIED: MemberState
 MEMBER_STATE_JOINED: MemberState
 MEMBER_STATE_LEFT: MemberState
 MEMBER_STATE_FAILED: MemberState
+FAILURE_CAUSE_UNSPECIFIED: FailureCause
+FAILURE_CAUSE_STALL: FailureCause
+FAILURE_CAUSE_MISMATCH: FailureCause
 RECOVERY_NONE: Recovery
 RECOVERY_REBUILD: Recovery
 RECOVERY_SHRINK: Recovery
@@ -53,16 +62,36 @@ class Member(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., hostname: _Optional[str] = ..., incarnation: _Optional[int] = ..., state: _Optional[_Union[MemberState, str]] = ..., joined_at_unix_s: _Optional[float] = ...) -> None: ...
 
 class Failure(_message.Message):
-    __slots__ = ("rank", "reason", "at_unix_s", "reported_by")
+    __slots__ = ("rank", "reason", "at_unix_s", "reported_by", "cause")
     RANK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     REPORTED_BY_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     reason: str
     at_unix_s: float
     reported_by: int
-    def __init__(self, rank: _Optional[int] = ..., reason: _Optional[str] = ..., at_unix_s: _Optional[float] = ..., reported_by: _Optional[int] = ...) -> None: ...
+    cause: FailureCause
+    def __init__(self, rank: _Optional[int] = ..., reason: _Optional[str] = ..., at_unix_s: _Optional[float] = ..., reported_by: _Optional[int] = ..., cause: _Optional[_Union[FailureCause, str]] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("communicator", "entered", "kind", "age_s", "inside", "rank", "recent")
+    COMMUNICATOR_FIELD_NUMBER: _ClassVar[int]
+    ENTERED_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    INSIDE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
+    communicator: str
+    entered: int
+    kind: str
+    age_s: float
+    inside: bool
+    rank: int
+    recent: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, communicator: _Optional[str] = ..., entered: _Optional[int] = ..., kind: _Optional[str] = ..., age_s: _Optional[float] = ..., inside: bool = ..., rank: _Optional[int] = ..., recent: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("job_id", "rank", "world_size", "incarnation", "hostname", "wait_s", "generation", "recovery", "relay_address", "wants_relay", "relay_rank")
@@ -173,18 +202,20 @@ class BarrierResponse(_message.Message):
     def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("caller", "wait_s", "also", "also_age_s", "relayed")
+    __slots__ = ("caller", "wait_s", "also", "also_age_s", "relayed", "progress")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     ALSO_FIELD_NUMBER: _ClassVar[int]
     ALSO_AGE_S_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     wait_s: float
     also: _containers.RepeatedCompositeFieldContainer[Caller]
     also_age_s: _containers.RepeatedScalarFieldContainer[float]
     relayed: bool
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., wait_s: _Optional[float] = ..., also: _Optional[_Iterable[_Union[Caller, _Mapping]]] = ..., also_age_s: _Optional[_Iterable[float]] = ..., relayed: bool = ...) -> None: ...
+    progress: _containers.RepeatedCompositeFieldContainer[Progress]
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., wait_s: _Optional[float] = ..., also: _Optional[_Iterable[_Union[Caller, _Mapping]]] = ..., also_age_s: _Optional[_Iterable[float]] = ..., relayed: bool = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("failures", "generation")
@@ -235,7 +266,7 @@ class BarrierStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., seq: _Optional[int] = ..., arrived_ranks: _Optional[_Iterable[int]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., waiting_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("job_id", "world_size", "generation", "members", "missing_ranks", "barriers", "failures", "uptime_s", "serving")
+    __slots__ = ("job_id", "world_size", "generation", "members", "missing_ranks", "barriers", "failures", "uptime_s", "serving", "progress", "late")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +276,8 @@ class StatusResponse(_message.Message):
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     generation: int
@@ -254,7 +287,9 @@ class StatusResponse(_message.Message):
     failures: _containers.RepeatedCompositeFieldContainer[Failure]
     uptime_s: float
     serving: bool
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., barriers: _Optional[_Iterable[_Union[BarrierStatus, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., serving: bool = ...) -> None: ...
+    progress: _containers.RepeatedCompositeFieldContainer[Progress]
+    late: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., barriers: _Optional[_Iterable[_Union[BarrierStatus, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., serving: bool = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ..., late: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SessionOp(_message.Message):
     __slots__ = ("id", "join", "set", "get", "barrier", "leave", "heartbeat")

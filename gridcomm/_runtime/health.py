@@ -4,7 +4,9 @@ Two services, two questions:
 
 - ``""`` is liveness: SERVING whenever the server answers. It runs on the process's background
   loop (:mod:`gridcomm._runtime.loop`), so an answer means the process and that loop are alive;
-  nothing a peer does changes it. Why: a survivor that reports a peer's failure, writes a
+  nothing a peer does changes it. The one exception: once the job names this rank stalled (its
+  peers waited for it in a collective it never entered), it turns NOT_SERVING for good, so
+  kubelet restarts the pod. Why: a survivor that reports a peer's failure, writes a
   checkpoint or rebuilds its communicator must not be restarted by its liveness probe (a kill
   there turned the failure policy's exit code 3 into 137).
 - ``gridcomm.v1.Coordinator`` is readiness: SERVING only while one of this process's
@@ -95,6 +97,11 @@ class ProcessHealth:
             after = bool(self._ready)
         if after != before and self._health is not None:
             run_soon(self._health.set(SERVICE_NAME, _SERVING if after else _NOT_SERVING), 5.0)
+
+    def set_live(self, live: bool) -> None:
+        """Liveness (``""``): NOT_SERVING only for a rank the job found stalled (kubelet restarts it)."""
+        if self._health is not None:
+            run_soon(self._health.set("", _SERVING if live else _NOT_SERVING), 5.0)
 
     def stop(self) -> None:
         server, self._server = self._server, None

@@ -27,11 +27,13 @@ class StateError(Exception):
     """A request the state refuses; ``code`` is a gRPC status name."""
 
     def __init__(self, code: str, message: str, *, failed_rank: int | None = None,
-                 predecessor_alive: bool = False, restarted: bool = False) -> None:
+                 predecessor_alive: bool = False, restarted: bool = False, failed_cause: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.failed_rank = failed_rank
+        #: The failure's cause ("stall", "mismatch"; "" for a death, silence or report).
+        self.failed_cause = failed_cause
         #: A new process asked for a rank whose process still looks alive (see JobState._admit).
         self.predecessor_alive = predecessor_alive
         #: The caller says it joined a generation this coordinator never formed: the coordinator
@@ -72,6 +74,8 @@ class Failure:
     reason: str
     at: float
     reported_by: int
+    #: "" (a death, a silence or a report), "stall" or "mismatch" (see state.progress).
+    cause: str = ""
 
 
 @dataclasses.dataclass
@@ -118,7 +122,8 @@ class StateBase:
 
     def _failure_error(self, what: str) -> StateError:
         first = self.failures[0]
-        return StateError(ABORTED, f"{what}: rank {first.rank} failed: {first.reason}", failed_rank=first.rank)
+        return StateError(ABORTED, f"{what}: rank {first.rank} failed: {first.reason}", failed_rank=first.rank,
+                          failed_cause=first.cause)
 
     def check_not_failed(self, what: str) -> None:
         if self._failed:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from gridcomm._coordinator.state.common import Failure, Member, MemberState, StateBase
+from gridcomm._coordinator.state.progress import Entry, Hang, Progress
 
 
 class Liveness(StateBase):
@@ -48,12 +51,13 @@ class Liveness(StateBase):
             member.last_seen = now
             self.left_count += 1
         self._drop_pieces(rank)  # O(1) while no value is in flight
+        self.progress.remove(rank)
 
     def all_left(self) -> bool:
         """True when every rank has left or failed (rank 0 may stop serving)."""
         return self.complete and all(m.state is not MemberState.JOINED for m in self.members.values())
 
-    def fail(self, rank: int, reason: str, reported_by: int, now: float) -> Failure | None:
+    def fail(self, rank: int, reason: str, reported_by: int, now: float, cause: str = "") -> Failure | None:
         """Marks ``rank`` failed; returns the failure if it is new (the first report wins)."""
         if rank in self._failed:
             return None
@@ -61,13 +65,31 @@ class Liveness(StateBase):
         if member is not None and member.state is MemberState.LEFT:
             # Why: a clean leave followed by a lost connection is not a failure.
             return None
-        failure = Failure(rank, reason[:2048], now, reported_by)
+        failure = Failure(rank, reason[:2048], now, reported_by, cause)
         self._failed[rank] = failure
         self._drop_pieces(rank)  # O(1) while no value is in flight
+        self.progress.remove(rank)
         self.failures.append(failure)
         if member is not None:
             member.state = MemberState.FAILED
         return failure
+
+    progress: Progress
+
+    def report_progress(self, rank: int, generation: int, entries: Iterable[Entry], now: float) -> None:
+        """``rank``'s progress in its communicators of ``generation`` (see state.progress)."""
+        if self.progress.generation != self.generation:
+            self.progress.reset(self.generation)
+        member = self.members.get(rank)
+        if member is None or member.state is not MemberState.JOINED or self._failed:
+            return
+        self.progress.report(rank, generation, entries, now)
+
+    def hang(self, now: float, bound_s: float, fresh_s: float) -> Hang | None:
+        """A stall or mismatch to name (None while the generation is failed or not formed)."""
+        if self._failed or not self.complete or self.progress.generation != self.generation:
+            return None
+        return self.progress.hang(now, bound_s, fresh_s)
 
     def first_failure(self) -> Failure | None:
         return self.failures[0] if self.failures else None

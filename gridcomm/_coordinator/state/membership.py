@@ -20,6 +20,7 @@ from gridcomm._coordinator.state.common import (
 )
 from gridcomm._coordinator.state.keyvalue import KeyValue
 from gridcomm._coordinator.state.liveness import Liveness
+from gridcomm._coordinator.state.progress import Progress
 from gridcomm._wire import shown_generation as _shown
 
 REBUILD = "rebuild"
@@ -93,6 +94,8 @@ class JobState(Liveness, Barriers, KeyValue):
         self.past_failures: list[Failure] = []
         #: (base generation, mode) of the recovery that made the current generation.
         self.recovered_from: tuple[int, str | None] = (0, None)
+        #: How far each rank got in each communicator of the current generation.
+        self.progress = Progress()
 
     @property
     def active(self) -> tuple[int, ...]:

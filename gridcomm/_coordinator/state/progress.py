@@ -1,0 +1,353 @@
+"""Progress: how far each rank has got in each communicator, and who stalls the others.
+
+Every rank's heartbeat says, per communicator, how many collectives it has entered (those every
+member takes part in, barriers and splits), the kind of the last one, how long ago it entered it
+and whether its call is still in it. From that the coordinator names two kinds of hang:
+
+- a *laggard*: some ranks entered collective #k more than the stall bound ago and a live rank has
+  not entered it (a deadlock in user code, a data loader stuck on storage, a rank that took
+  another branch). The bound is counted from the first entry of #k, as the coordinator learns
+  of it (a rank's entry time is its report's arrival less the age it reports), so a slow but
+  progressing job, whose laggards enter #k within the bound, is never failed;
+- a collective every rank entered that has not returned on some of them for the bound since the
+  last one entered it (a network or data-plane hang).
+
+With fingerprints (``GRIDCOMM_DEBUG=collectives``) it also names the first collective that ranks
+called differently. Pure: the caller passes ``now`` (monotonic seconds) into every method.
+
+Costs: a report is O(1) per communicator (a histogram of counts is kept, not scanned); a check is
+O(distinct counts) per communicator, and a rank list is built only when a hang is named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+
+#: Communicators tracked per generation; reports naming more are ignored (a hostile or buggy
+#: client cannot grow the coordinator's memory with names).
+MAX_COMMUNICATORS = 1024
+#: Per report: communicators a rank may report at once, and the length of names and kinds.
+MAX_ENTRIES = 64
+MAX_NAME = 256
+MAX_KIND = 64
+#: Fingerprints a report may carry per communicator, and the length of one.
+MAX_RECENT = 64
+MAX_FINGERPRINT = 256
+#: Counts whose fingerprints are kept for comparison at once, per communicator.
+MAX_PRINTED_COUNTS = 4096
+
+STALL = "stall"
+MISMATCH = "mismatch"
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One rank's report for one communicator (already checked, see :func:`check_entry`)."""
+
+    communicator: str
+    entered: int
+    kind: str
+    age_s: float
+    inside: bool
+    recent: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Hang:
+    """A hang the coordinator names: ``rank`` is failed with ``reason`` (``cause``: STALL or MISMATCH)."""
+
+    rank: int
+    reason: str
+    cause: str
+    communicator: str
+
+
+def check_entry(communicator: str, entered: int, kind: str, age_s: float, recent: Sequence[str]) -> str | None:
+    """What is wrong with one reported entry, in words (None: nothing)."""
+    if not communicator or len(communicator) > MAX_NAME:
+        return f"a progress entry's communicator name has {len(communicator)} characters (1 to {MAX_NAME})"
+    if len(kind) > MAX_KIND:
+        return f"a progress entry's kind has {len(kind)} characters (at most {MAX_KIND})"
+    if entered >= 2**62:
+        return f"a progress entry counts {entered} collectives"
+    if not math.isfinite(age_s) or age_s < 0:
+        return f"a progress entry's age is {age_s!r} s"
+    if len(recent) > MAX_RECENT or len(recent) > entered:
+        return f"a progress entry carries {len(recent)} fingerprints for {entered} collectives (at most {MAX_RECENT})"
+    if any(len(f) > MAX_FINGERPRINT for f in recent):
+        return f"a progress entry's fingerprint is longer than {MAX_FINGERPRINT} characters"
+    return None
+
+
+@dataclasses.dataclass
+class _Rank:
+    entered: int
+    kind: str
+    entered_at: float
+    inside: bool
+    reported_at: float
+
+
+def _ranks_text(ranks: Sequence[int], limit: int = 16) -> str:
+    """``0-2, 4-7`` (ranges; cut after ``limit`` groups)."""
+    groups: list[str] = []
+    start = prev = None
+    for r in sorted(ranks):
+        if prev is not None and r == prev + 1:
+            prev = r
+            continue
+        if start is not None:
+            groups.append(f"{start}" if start == prev else f"{start}-{prev}")
+        start = prev = r
+    if start is not None:
+        groups.append(f"{start}" if start == prev else f"{start}-{prev}")
+    if len(groups) > limit:
+        return ", ".join(groups[:limit]) + f", ... ({len(ranks)} ranks)"
+    return ", ".join(groups)
+
+
+class CommunicatorProgress:
+    """The ranks of one communicator (those that report it) and what they entered."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.ranks: dict[int, _Rank] = {}
+        #: count -> ranks now at it (a histogram: min and max without a scan of the ranks).
+        self._at: dict[int, set[int]] = {}
+        #: count -> (the earliest time any rank reported entering it, the kind it reported).
+        self._first: dict[int, tuple[float, str]] = {}
+        #: count -> the latest time a rank reported entering it (when every rank is at it: since
+        #: when they all wait).
+        self._last: dict[int, float] = {}
+        #: Ranks whose call is still in their last one.
+        self._inside: set[int] = set()
+        #: count -> {fingerprint: ranks} for counts some rank fingerprinted (debug mode).
+        self._prints: dict[int, dict[str, set[int]]] = {}
+
+    def report(self, rank: int, entry: Entry, now: float) -> None:
+        at = now - entry.age_s
+        old = self.ranks.get(rank)
+        before = -1 if old is None else old.entered
+        if old is None:
+            self.ranks[rank] = _Rank(entry.entered, entry.kind, at, entry.inside, now)
+        else:
+            if entry.entered < old.entered:
+                return  # a report older than one already read (a relay's, overtaken): ignored
+            self._at[old.entered].discard(rank)
+            if not self._at[old.entered]:
+                del self._at[old.entered]
+            if entry.entered == old.entered:
+                at = min(at, old.entered_at)  # the same entry: the first estimate of when stands
+            old.entered, old.kind, old.entered_at, old.inside, old.reported_at = (entry.entered, entry.kind, at,
+                                                                                    entry.inside, now)
+        self._at.setdefault(entry.entered, set()).add(rank)
+        first = self._first.get(entry.entered)
+        if first is None or at < first[0]:
+            self._first[entry.entered] = (at, entry.kind or (first[1] if first is not None else ""))
+        if at > self._last.get(entry.entered, -math.inf):
+            self._last[entry.entered] = at
+        if entry.inside:
+            self._inside.add(rank)
+        else:
+            self._inside.discard(rank)
+        for offset, fingerprint in enumerate(entry.recent):
+            count = entry.entered - len(entry.recent) + 1 + offset
+            if count > before:  # each count once per rank: the window repeats what was sent before
+                self._prints.setdefault(count, {}).setdefault(fingerprint, set()).add(rank)
+        self._prune()
+
+    def remove(self, rank: int) -> None:
+        old = self.ranks.pop(rank, None)
+        if old is None:
+            return
+        self._at[old.entered].discard(rank)
+        if not self._at[old.entered]:
+            del self._at[old.entered]
+        self._inside.discard(rank)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Forgets counts below every rank's (nothing more can be learned about them)."""
+        if not self._at:
+            self._first.clear()
+            self._last.clear()
+            self._prints.clear()
+            return
+        low = min(self._at)
+        for table in (self._first, self._last):
+            if len(table) > len(self._at) + 8 or (table and min(table) < low):
+                for count in [c for c in table if c < low]:
+                    del table[count]
+        # Fingerprints stay until the check has compared them (it forgets the counts that agree),
+        # within a cap: a count that can never be compared is dropped, oldest first.
+        while len(self._prints) > MAX_PRINTED_COUNTS:
+            del self._prints[min(self._prints)]
+
+    def _first_at_or_above(self, count: int) -> tuple[float, str] | None:
+        """The earliest known entry of collective ``count`` (a rank now past it entered it no later
+        than it entered the one it is at, so that time bounds it from above)."""
+        best: tuple[float, str] | None = None
+        for c, (at, kind) in self._first.items():
+            if c >= count and (best is None or at < best[0]):
+                best = (at, kind if c == count else "")
+        return best
+
+    def longest_wait(self, now: float) -> float:
+        """How long the ranks furthest ahead have waited for the last rank to enter their collective."""
+        if len(self._at) < 2:
+            return 0.0
+        first = self._first_at_or_above(min(self._at) + 1)
+        return 0.0 if first is None else max(0.0, now - first[0])
+
+    def late(self, now: float, fresh_s: float) -> tuple[list[int], int, str, float, str] | None:
+        """The ranks behind (whose reports are fresh), the collective they have not entered, its
+        kind, how long since the first rank entered it, and the laggards' last kind."""
+        if len(self._at) < 2:
+            return None
+        low = min(self._at)
+        first = self._first_at_or_above(low + 1)
+        if first is None:
+            return None
+        laggards = sorted(r for r in self._at[low] if now - self.ranks[r].reported_at <= fresh_s)
+        if not laggards:
+            return None
+        return laggards, low + 1, first[1], now - first[0], self.ranks[laggards[0]].kind
+
+    def hang(self, now: float, bound_s: float, fresh_s: float) -> Hang | None:
+        """A hang past ``bound_s``, if any (see the module's docstring); ``fresh_s``: a rank whose
+        last report is older than this is left to the liveness bound (it is silent, not stuck)."""
+        mismatch = self._mismatch()
+        if mismatch is not None:
+            return mismatch
+        if not self._at:
+            return None
+        if len(self._at) > 1 and self.longest_wait(now) <= bound_s:
+            return None  # ranks are behind, but not for the bound (no rank list is built)
+        late = self.late(now, fresh_s)
+        if late is not None:
+            laggards, count, kind, waited, their_kind = late
+            if waited <= bound_s:
+                return None
+            ahead = [r for c, ranks in self._at.items() if c >= count for r in ranks]
+            what = f"{kind} #{count}" if kind else f"collective #{count}"
+            last = (f"; its last was {their_kind} #{count - 1}" if count > 1 and their_kind else
+                    "; it has entered none")
+            others = f"; ranks {_ranks_text(laggards)} are behind with it" if len(laggards) > 1 else ""
+            reason = (f"rank {laggards[0]} has not entered {what} of communicator {self.name!r} for {waited:.0f} s; "
+                      f"ranks {_ranks_text(ahead)} wait in it{last}{others} (stall bound {bound_s:g} s, "
+                      "GRIDCOMM_STALL_TIMEOUT_S)")
+            return Hang(laggards[0], reason, STALL, self.name)
+        if len(self._at) == 1 and self._inside:
+            (count,) = self._at
+            since = self._last.get(count)
+            if since is None or now - since <= bound_s:
+                return None
+            stuck = sorted(r for r in self._inside if now - self.ranks[r].reported_at <= fresh_s)
+            if not stuck:
+                return None
+            kind = self.ranks[stuck[0]].kind or "collective"
+            reason = (f"every rank of communicator {self.name!r} entered {kind} #{count} {now - since:.0f} s ago and "
+                      f"it has not returned on ranks {_ranks_text(stuck)} (a network or data-plane hang; stall bound "
+                      f"{bound_s:g} s, GRIDCOMM_STALL_TIMEOUT_S)")
+            return Hang(stuck[0], reason, STALL, self.name)
+        return None
+
+    def _mismatch(self) -> Hang | None:
+        """The first count at which every rank reported a fingerprint and they differ; the rank
+        named is one of the smallest group (the odd one out)."""
+        for count in sorted(self._prints):
+            groups = self._prints[count]
+            # Ranks that have not reached this count yet will fingerprint it; wait for them.
+            pending = any(c < count for c in self._at)
+            if pending:
+                return None
+            if len(groups) < 2:
+                del self._prints[count]  # every rank that will report it agreed
+                continue
+            ordered = sorted(groups.items(), key=lambda item: (len(item[1]), -min(item[1])))
+            odd_print, odd = ordered[0]
+            main_print, main = ordered[-1]
+            odd_rank, main_rank = min(odd), min(main)
+            reason = (f"collective #{count} of communicator {self.name!r}: rank {odd_rank} called {odd_print}, "
+                      f"rank {main_rank} called {main_print}"
+                      + (f" (ranks {_ranks_text(sorted(odd))} as rank {odd_rank}, ranks {_ranks_text(sorted(main))} "
+                         f"as rank {main_rank})" if len(odd) > 1 or len(main) > 1 else ""))
+            return Hang(odd_rank, reason, MISMATCH, self.name)
+        return None
+
+    def rows(self, now: float) -> list[tuple[int, int, str, float, bool]]:
+        """(rank, entered, kind, seconds since it entered, inside) per rank, by rank."""
+        return [(r, p.entered, p.kind, max(0.0, now - p.entered_at), p.inside) for r, p in sorted(self.ranks.items())]
+
+
+class Progress:
+    """Every communicator's progress in the current generation (see :class:`CommunicatorProgress`)."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self.communicators: dict[str, CommunicatorProgress] = {}
+        #: rank -> the communicators it reported last time (one it stops reporting, it left).
+        self._reported: dict[int, frozenset[str]] = {}
+
+    def reset(self, generation: int) -> None:
+        """A new generation: its communicators are new."""
+        self.generation = generation
+        self.communicators.clear()
+        self._reported.clear()
+
+    def report(self, rank: int, generation: int, entries: Iterable[Entry], now: float) -> None:
+        """``rank``'s report of ``generation`` (one of another generation is ignored)."""
+        if generation != self.generation or generation == 0:
+            return
+        names = set()
+        for entry in entries:
+            comm = self.communicators.get(entry.communicator)
+            if comm is None:
+                if len(self.communicators) >= MAX_COMMUNICATORS:
+                    continue
+                comm = self.communicators[entry.communicator] = CommunicatorProgress(entry.communicator)
+            comm.report(rank, entry, now)
+            names.add(entry.communicator)
+        for gone in self._reported.get(rank, frozenset()) - names:
+            self._drop(gone, rank)
+        self._reported[rank] = frozenset(names)
+
+    def _drop(self, name: str, rank: int) -> None:
+        comm = self.communicators.get(name)
+        if comm is not None:
+            comm.remove(rank)
+            if not comm.ranks:
+                del self.communicators[name]
+
+    def remove(self, rank: int) -> None:
+        """``rank`` left or failed: it is waited for no longer."""
+        for name in self._reported.pop(rank, frozenset()):
+            self._drop(name, rank)
+
+    def hang(self, now: float, bound_s: float, fresh_s: float) -> Hang | None:
+        for comm in self.communicators.values():
+            found = comm.hang(now, bound_s, fresh_s)
+            if found is not None:
+                return found
+        return None
+
+    def longest_wait(self, now: float) -> float:
+        return max((c.longest_wait(now) for c in self.communicators.values()), default=0.0)
+
+    def late_lines(self, now: float, fresh_s: float, limit: int = 16) -> list[str]:
+        """Who is late, per communicator with ranks behind, in words (for ``gridcomm status``)."""
+        lines = []
+        for comm in self.communicators.values():
+            late = comm.late(now, fresh_s)
+            if late is None:
+                continue
+            laggards, count, kind, waited, _ = late
+            what = f"{kind} #{count}" if kind else f"collective #{count}"
+            lines.append(f"{comm.name}: rank{'s' if len(laggards) > 1 else ''} {_ranks_text(laggards)} "
+                         f"{'have' if len(laggards) > 1 else 'has'} not entered {what}, which others entered "
+                         f"{waited:.0f} s ago")
+            if len(lines) >= limit:
+                break
+        return lines

@@ -1,0 +1,163 @@
+"""The coordinator's progress state (gridcomm._coordinator.state.progress) with an injected clock:
+who is a laggard, when, and what is a mismatch; every branch without a network."""
+
+from __future__ import annotations
+
+import pytest
+
+from gridcomm._coordinator.state.progress import MISMATCH, STALL, CommunicatorProgress, Entry, Progress, check_entry
+
+BOUND = 60.0
+FRESH = 15.0
+
+
+def entry(entered: int, kind: str = "all_reduce", age: float = 0.0, inside: bool = False,
+          recent: tuple[str, ...] = (), name: str = "world") -> Entry:
+    return Entry(name, entered, kind, age, inside, recent)
+
+
+def comm_with(reports: dict[int, Entry], now: float = 0.0) -> CommunicatorProgress:
+    comm = CommunicatorProgress("world")
+    for rank, e in reports.items():
+        comm.report(rank, e, now)
+    return comm
+
+
+def test_a_laggard_is_named_only_after_the_bound_counted_from_the_first_entry():
+    comm = comm_with({0: entry(5, inside=True, age=10), 1: entry(5, inside=True, age=3), 2: entry(4, "broadcast")},
+                     now=100.0)
+    # Rank 0 entered #5 at 90: the bound ends at 150.
+    assert comm.hang(149.0, BOUND, 1e9) is None
+    hang = comm.hang(151.0, BOUND, 1e9)
+    assert hang is not None and hang.rank == 2 and hang.cause == STALL
+    assert "rank 2 has not entered all_reduce #5 of communicator 'world' for 61 s" in hang.reason
+    assert "ranks 0-1 wait in it" in hang.reason and "its last was broadcast #4" in hang.reason
+
+
+def test_a_laggard_that_catches_up_is_not_named():
+    comm = comm_with({0: entry(5, inside=True, age=50), 1: entry(4)}, now=100.0)
+    comm.report(1, entry(5, inside=True), 105.0)
+    assert comm.hang(160.0, BOUND, 1e9) is None  # caught up before the bound: no laggard
+    # Both are now inside #5 (every rank entered it): no laggard; inside for 95 s since the last
+    # entry (at 105) is the other kind of hang.
+    hang = comm.hang(200.0, BOUND, 1e9)
+    assert hang is not None and "every rank of communicator 'world' entered all_reduce #5" in hang.reason
+    comm.report(0, entry(5, inside=False), 120.0)
+    comm.report(1, entry(5, inside=False), 120.0)
+    assert comm.hang(500.0, BOUND, 1e9) is None
+
+
+def test_the_earliest_report_of_an_entry_dates_it_whichever_arrives_first():
+    comm = comm_with({0: entry(3, age=1), 1: entry(2)}, now=100.0)   # rank 0: #3 at 99
+    comm.report(2, entry(3, age=30), 101.0)                            # rank 2: #3 at 71
+    hang = comm.hang(132.0, BOUND, 1e9)
+    assert hang is not None and hang.rank == 1 and "for 61 s" in hang.reason
+
+
+def test_a_stale_laggard_is_left_to_liveness():
+    comm = comm_with({0: entry(5, inside=True), 1: entry(4)}, now=0.0)
+    comm.report(0, entry(5, inside=True), 50.0)
+    assert comm.hang(70.0, BOUND, FRESH) is None  # rank 1's last report is 70 s old
+
+
+def test_several_laggards_are_named_together_and_the_first_is_failed():
+    comm = comm_with({0: entry(9, inside=True), 1: entry(8), 2: entry(9, inside=True), 3: entry(8)}, now=0.0)
+    hang = comm.hang(61.0, BOUND, 1e9)
+    assert hang is not None and hang.rank == 1 and "ranks 1, 3 are behind with it" in hang.reason
+
+
+def test_an_older_report_never_moves_a_rank_back():
+    comm = comm_with({0: entry(5), 1: entry(5)}, now=0.0)
+    comm.report(1, entry(3), 1.0)
+    assert comm.rows(1.0)[1][1] == 5
+
+
+def test_a_rank_that_left_is_waited_for_no_longer():
+    progress = Progress()
+    progress.reset(1)
+    progress.report(0, 1, [entry(5, inside=True)], 0.0)
+    progress.report(1, 1, [entry(4)], 0.0)
+    progress.remove(1)
+    hang = progress.hang(100.0, BOUND, 1e9)
+    assert hang is None or hang.rank != 1
+
+
+def test_another_generations_report_is_ignored_and_a_communicator_not_reported_is_dropped():
+    progress = Progress()
+    progress.reset(2)
+    progress.report(0, 1, [entry(5)], 0.0)
+    assert not progress.communicators
+    progress.report(0, 2, [entry(5), entry(1, name="world.s1c0")], 0.0)
+    assert set(progress.communicators) == {"world", "world.s1c0"}
+    progress.report(0, 2, [entry(6)], 1.0)
+    assert set(progress.communicators) == {"world"}
+
+
+def test_mismatch_is_named_once_every_rank_reported_that_count_and_names_the_odd_one():
+    fp_ar, fp_bc = "all_reduce(sum, 4 x float32)", "broadcast(root=0, 4 x float32)"
+    comm = CommunicatorProgress("world")
+    comm.report(1, entry(3, "broadcast", inside=True, recent=("all_reduce(sum, 4 x float32)", "barrier('warm')",
+                                                              fp_bc)), 0.0)
+    comm.report(2, entry(3, inside=True, recent=(fp_ar, "barrier('warm')", fp_ar)), 0.0)
+    comm.report(0, entry(2, "barrier", recent=(fp_ar, "barrier('warm')")), 0.0)
+    assert comm.hang(0.0, BOUND, 1e9) is None  # rank 0 has not reached #3: wait for it
+    comm.report(0, entry(3, inside=True, recent=(fp_ar, "barrier('warm')", fp_ar)), 1.0)
+    comm.report(3, entry(3, inside=True, recent=(fp_ar, "barrier('warm')", fp_ar)), 1.0)
+    hang = comm.hang(1.0, BOUND, 1e9)
+    assert hang is not None and hang.cause == MISMATCH and hang.rank == 1
+    assert hang.reason.startswith(f"collective #3 of communicator 'world': rank 1 called {fp_bc}, rank 0 called {fp_ar}")
+
+
+def test_matching_fingerprints_are_forgotten():
+    comm = CommunicatorProgress("world")
+    for step in range(1, 200):
+        for rank in range(3):
+            comm.report(rank, entry(step, recent=(f"all_reduce(sum, {step} x float32)",)), float(step))
+        assert comm.hang(float(step), BOUND, 1e9) is None
+    assert len(comm._prints) <= 2
+
+
+@pytest.mark.parametrize(("args", "wrong"), [
+    (("", 1, "x", 0.0, ()), "communicator name"),
+    (("w" * 300, 1, "x", 0.0, ()), "communicator name"),
+    (("world", 1, "k" * 65, 0.0, ()), "kind"),
+    (("world", 2**63, "x", 0.0, ()), "counts"),
+    (("world", 1, "x", float("nan"), ()), "age"),
+    (("world", 1, "x", -1.0, ()), "age"),
+    (("world", 1, "x", 0.0, ("a", "b")), "fingerprints"),
+    (("world", 100, "x", 0.0, ("a" * 300,)), "fingerprint"),
+])
+def test_bad_entries_are_described(args, wrong):
+    text = check_entry(*args)
+    assert text is not None and wrong in text
+
+
+def test_counts_are_kept_as_a_histogram_not_a_history():
+    comm = CommunicatorProgress("world")
+    for step in range(1, 5000):
+        comm.report(step % 4, entry(step), float(step))
+    assert len(comm._first) < 16 and len(comm._last) < 16
+
+
+def test_the_stall_bound_defaults_to_120_s_or_the_call_timeout_and_is_refused_above_it():
+    from gridcomm import ConfigError
+    from gridcomm._config import stall_timeout_s
+
+    assert stall_timeout_s(None, {}) == 120.0
+    assert stall_timeout_s(None, {"GRIDCOMM_TIMEOUT_S": "60"}) == 60.0
+    assert stall_timeout_s(None, {}, call_timeout_s=30.0) == 30.0
+    assert stall_timeout_s(None, {"GRIDCOMM_STALL_TIMEOUT_S": "0"}) == 0.0
+    with pytest.raises(ConfigError, match="GRIDCOMM_STALL_TIMEOUT_S=400 is longer than the call timeout"):
+        stall_timeout_s(None, {"GRIDCOMM_STALL_TIMEOUT_S": "400"})
+    with pytest.raises(ConfigError, match="GRIDCOMM_STALL_TIMEOUT_S"):
+        stall_timeout_s(None, {"GRIDCOMM_STALL_TIMEOUT_S": "soon"})
+
+
+def test_debug_flags_name_what_they_know():
+    from gridcomm import ConfigError
+    from gridcomm._config import debug_flags
+
+    assert debug_flags({"GRIDCOMM_DEBUG": "Collectives"}) == {"collectives"}
+    assert debug_flags({}) == frozenset()
+    with pytest.raises(ConfigError, match="knows collectives"):
+        debug_flags({"GRIDCOMM_DEBUG": "collectives,everything"})
