@@ -64,6 +64,21 @@ def test_graph_capture_and_replay(comm):
 
 
 @pytest.mark.timeout(120)
+def test_nccl_collectives_are_counted_for_the_heartbeats(comm):
+    x = cupy.ones(4, dtype=cupy.float32)
+    y = cupy.empty_like(x)
+    before = comm._client.progress()[0].entered
+    for _ in range(5):
+        comm.all_reduce(x, y)
+    comm.broadcast(y, root=0)
+    comm.all_gather(x, cupy.empty(4, dtype=cupy.float32), 4)
+    comm.send_recv(x, y, 0)  # pairs make send/recv: not counted
+    comm.barrier("counted")
+    report = comm._client.progress()[0]
+    assert report.communicator == "world" and report.entered - before == 8 and report.kind == "barrier"
+
+
+@pytest.mark.timeout(120)
 def test_fast_paths_refuse_what_the_shared_checks_refuse(comm):
     """all_reduce, broadcast, all_gather, send, recv and send_recv skip the shared checks for plain
     C-contiguous CuPy arrays; what they must not skip: every invalid call below still raises the

@@ -139,9 +139,13 @@ class Communicator:
         self._participants: tuple[int, ...] = () if parent is None else tuple(sorted(self.members))
         #: This rank's progress here, carried on its heartbeats (see gridcomm._client.tracker).
         self._tracker = Tracker(name, client.generation, fingerprints=_fingerprints())
+        counts_itself = getattr(backend, "counts_itself", False) and not self._tracker.fingerprints
+        if counts_itself:
+            backend.progress = self._tracker
         for method in COLLECTIVES:
             call = getattr(backend, method)
-            setattr(self, method, self._tracker.counted(method, call) if method in COUNTED else call)
+            counted = method in COUNTED and not counts_itself
+            setattr(self, method, self._tracker.counted(method, call) if counted else call)
         client.track(self._tracker)
         self._set_ready(True)
         if parent is None:
