@@ -380,7 +380,7 @@ class Bench:
 
 def init_times(ports: dict[str, int]) -> dict[str, list[float]]:
     """World size 1 only: communicator set-up, raw NCCL vs gridcomm (rendezvous included)."""
-    raw_init, grid_init = [], []
+    raw_init, grid_init, grid_split, grid_stop = [], [], [], []
     for _ in range(3):
         t0 = time.perf_counter()
         c = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
@@ -389,8 +389,13 @@ def init_times(ports: dict[str, int]) -> dict[str, list[float]]:
         t0 = time.perf_counter()
         g = gridcomm.init_process_group(1, 0, backend="nccl", host="127.0.0.1", port=free_port())
         grid_init.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        g.split(0)
+        grid_split.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
         g.stop()
-    return {"raw": raw_init, "gridcomm": grid_init}
+        grid_stop.append(time.perf_counter() - t0)
+    return {"raw": raw_init, "gridcomm": grid_init, "gridcomm split()": grid_split, "gridcomm stop()": grid_stop}
 
 
 # ---------------------------------------------------------------------- reporting

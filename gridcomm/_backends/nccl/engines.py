@@ -4,6 +4,7 @@ id in the forms each takes, and the hot-path call tables."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -184,9 +185,10 @@ class _Nccl4pyEngine:
         # The parent is never used again. Measured at world size 1 (H200, NCCL 2.28.9): its
         # ncclCommDestroy takes ~0.5 s, ncclCommAbort ~1.0 s, and the child's own destroy at
         # stop() then ~0.03 s (CuPy's one communicator: ~0.5 s at stop()). It has run no
-        # operation, so its finalize has nothing to wait for.
-        parent.destroy()
-        return child
+        # operation, so its finalize has nothing to wait for; it is destroyed on a thread of its
+        # own, off init's path (the child does not share its resources: NCCL's splitShare is 0),
+        # and the child's destroy or abort waits for that (bounded) before it goes too.
+        return _Child(child, parent)
 
     def _abort_all(self, parent: Any, child: Any) -> None:
         # The parent first: aborting it also ends a split in progress (NCCL's childAbortFlag),
@@ -238,6 +240,44 @@ class _Nccl4pyEngine:
     @staticmethod
     def handle(owner: Any) -> Any:
         return owner._comm  # nccl.bindings.nccl.Comm: what the low-level calls take
+
+
+class _Child:
+    """The blocking child a nccl4py init returns, while its parent is destroyed in the background."""
+
+    #: How long the child's destroy waits for the parent's (it took ~0.5 s where measured).
+    PARENT_WAIT_S = 10.0
+
+    def __init__(self, child: Any, parent: Any) -> None:
+        self._child = child
+        self._comm = child._comm  # what the per-call functions take (see handle())
+        self._parent = threading.Thread(target=self._release, args=(parent,), name="gridcomm-nccl-parent",
+                                        daemon=True)
+        self._parent.start()
+
+    @staticmethod
+    def _release(parent: Any) -> None:
+        try:
+            parent.destroy()
+        except Exception as exc:  # noqa: BLE001 - nothing depends on it; say so and go on
+            log.warning("ncclCommDestroy of an init's parent communicator failed: %s", exc)
+
+    def _parent_gone(self) -> None:
+        self._parent.join(self.PARENT_WAIT_S)
+        if self._parent.is_alive():
+            log.warning("the NCCL parent communicator is still being destroyed after %g s", self.PARENT_WAIT_S)
+
+    def abort(self) -> None:
+        # Why no wait for the parent: abort runs on the watcher's thread (the process's
+        # background loop), which must go on heartbeating.
+        self._child.abort()
+
+    def destroy(self) -> None:
+        self._parent_gone()
+        self._child.destroy()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._child, name)
 
 
 _engines: dict[str, Any] = {}
