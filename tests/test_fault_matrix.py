@@ -523,6 +523,28 @@ def test_kill9_during_all_reduce_loop(job: Job, outcome_table: OutcomeTable) -> 
 
 
 @pytest.mark.timeout(150)
+def test_a_live_rank_that_stops_entering_collectives_is_named_stalled(job: Job, outcome_table: OutcomeTable) -> None:
+    # Rank 2's main thread stops before step 20 (it waits on its stdin, as a deadlock in user
+    # code would); its process and heartbeats go on. The others wait in all_reduce #20.
+    victim, survivors, stall_s = 2, [0, 1, 3], 5.0
+    for rank in range(WORLD):
+        job.start(rank, steps=40, hold_at=20 if rank == victim else 0, GRIDCOMM_STALL_TIMEOUT_S=f"{stall_s:g}")
+    job.expect(victim, "^HOLDING", STARTUP_S + 30)
+    fault_at = time.time()
+    bound = stall_s + HB_S + SLACK_S  # the bound, plus a heartbeat period's dating and the check's period
+    job.collect(survivors, bound + 15)
+    worst = assert_named_error(job, survivors, ["RankStalled"], since=fault_at, bound_s=bound, failed_rank=victim,
+                               reason=f"rank {victim} has not entered all_reduce #")
+    assert_later_calls(job, survivors, ["RankStalled"], victim)
+    job.go([victim])  # it comes back: its next call raises, naming itself
+    job.collect([victim], 30)
+    assert "RankStalled" in job.results[victim]["kinds"] and job.results[victim]["failed_rank"] == victim, job.report()
+    job.assert_finished(range(WORLD))
+    record(outcome_table, job, "rank 2's main thread stops before a collective", "RankStalled(2) on every rank",
+           f"error {worst:.2f} s after it stopped", f"{bound:.1f} s (stall bound {stall_s:g} s)")
+
+
+@pytest.mark.timeout(150)
 def test_kill9_inside_a_large_all_reduce(job: Job, outcome_table: OutcomeTable) -> None:
     # 16 MB per call: the host backend's ring moves 4 MB chunks host to host, so the kill lands
     # while bytes are in flight on the victim's links, not between calls.
