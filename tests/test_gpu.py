@@ -79,6 +79,79 @@ def test_nccl_collectives_are_counted_for_the_heartbeats(comm):
 
 
 @pytest.mark.timeout(120)
+def test_gpu_completion_is_sampled_from_another_thread_and_never_into_a_capture(comm):
+    x = cupy.ones(1024, dtype=cupy.float32)
+    y = cupy.empty_like(x)
+    tracker = comm._tracker
+    samples = []
+
+    def sample():  # as the watcher does, on its own thread
+        thread = threading.Thread(target=lambda: samples.append(tracker.progress()))
+        thread.start()
+        thread.join(10)
+        return samples[-1]
+
+    for _ in range(5):
+        comm.all_reduce(x, y)
+    pending = sample()  # records a CUDA event after the 5th
+    cupy.cuda.Device().synchronize()
+    done = sample()  # finds it complete
+    assert done.completed == done.entered >= 5 and done.gpu_wait_s == 0, (pending, done)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        comm.all_reduce(x, y)
+        stream.synchronize()
+        stream.begin_capture()
+        comm.all_reduce(x, y)
+        during = sample()  # the stream is being captured: no event is recorded into the graph
+        graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
+    assert during.gpu_wait_s == 0
+    after = sample()
+    cupy.cuda.Device().synchronize()
+    assert sample().completed == after.entered
+
+
+@pytest.mark.timeout(120)
+def test_a_sample_pending_while_another_stream_is_captured_leaves_the_capture_intact(comm):
+    try:
+        spin = cupy.RawKernel(r'''extern "C" __global__ void spin(long long cycles) {
+            long long start = clock64(); while (clock64() - start < cycles) {} }''', "spin")
+        spin.compile()
+    except Exception as exc:  # noqa: BLE001 - no NVRTC on this machine
+        pytest.skip(f"cannot compile a kernel here: {exc}")
+    x = cupy.ones(1024, dtype=cupy.float32)
+    y = cupy.empty_like(x)
+    busy = cupy.cuda.Stream(non_blocking=True)
+    captured = cupy.cuda.Stream(non_blocking=True)
+    results = []
+
+    def sample():
+        thread = threading.Thread(target=lambda: results.append(comm._tracker.progress()))
+        thread.start()
+        thread.join(10)
+        return results[-1]
+
+    with busy:
+        spin((1,), (1,), (cupy.int64(3_000_000_000),))  # about a second of GPU time
+        comm.all_reduce(x, y)
+    sample()  # an event after the spin: pending for a while
+    with captured:
+        comm.all_reduce(x, y)
+        captured.synchronize()
+        captured.begin_capture()  # CuPy's default: global capture mode
+        z = cupy.empty_like(x)
+        comm.all_reduce(x, z)
+        waiting = sample()  # queries the pending event while the capture runs
+        graph = captured.end_capture()  # raises if the query invalidated the capture
+    assert waiting.gpu_wait_s > 0, waiting
+    graph.launch(captured)
+    captured.synchronize()
+    assert bool((z == 1).all())
+
+
+@pytest.mark.timeout(120)
 def test_fast_paths_refuse_what_the_shared_checks_refuse(comm):
     """all_reduce, broadcast, all_gather, send, recv and send_recv skip the shared checks for plain
     C-contiguous CuPy arrays; what they must not skip: every invalid call below still raises the

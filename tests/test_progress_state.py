@@ -161,3 +161,30 @@ def test_debug_flags_name_what_they_know():
     assert debug_flags({}) == frozenset()
     with pytest.raises(ConfigError, match="knows collectives"):
         debug_flags({"GRIDCOMM_DEBUG": "collectives,everything"})
+
+
+def test_a_gpu_that_never_completes_a_collective_every_rank_entered_is_named():
+    def gpu(entered, wait, completed):
+        return Entry("world", entered, "all_reduce", 0.0, False, (), completed, wait)
+
+    comm = CommunicatorProgress("world")
+    for rank in range(4):
+        comm.report(rank, gpu(7, 0.0, 7), 0.0)
+    comm.report(2, gpu(8, 1.0, 7), 10.0)  # every rank enters #8 ...
+    for rank in (0, 1, 3):
+        comm.report(rank, gpu(8, 0.0, 8), 10.0)
+    assert comm.hang(60.0, BOUND, 1e9) is None  # ... rank 2's GPU has waited 51 s
+    comm.report(2, gpu(8, 62.0, 7), 71.0)
+    hang = comm.hang(71.0, BOUND, 1e9)
+    assert hang is not None and hang.rank == 2 and hang.cause == STALL
+    assert "on ranks 2 the GPU has not completed collective #8 for 62 s" in hang.reason
+    comm.report(2, gpu(8, 0.0, 8), 72.0)  # it completed after all
+    assert comm.hang(200.0, BOUND, 1e9) is None
+
+
+def test_a_laggard_blocked_on_its_gpu_is_named_with_that():
+    comm = CommunicatorProgress("world")
+    comm.report(0, Entry("world", 9, "all_reduce", 0.0, False, (), 9, 0.0), 0.0)
+    comm.report(1, Entry("world", 8, "all_reduce", 0.0, False, (), 6, 30.0), 0.0)
+    hang = comm.hang(70.0, BOUND, 1e9)
+    assert hang is not None and hang.rank == 1 and "its GPU has not completed collective #7 for 100 s" in hang.reason

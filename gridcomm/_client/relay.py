@@ -441,6 +441,8 @@ class Relay:
                     relayed.CopyFrom(entry)
                     relayed.rank = caller.rank
                     relayed.age_s = entry.age_s + age if entry.age_s == entry.age_s else 0.0
+                    if entry.gpu_wait_s > 0:
+                        relayed.gpu_wait_s = entry.gpu_wait_s + age
             answered: asyncio.Future[pb.SessionResult] = loop.create_future()
 
             def done(result: pb.SessionResult, answered: asyncio.Future[pb.SessionResult] = answered) -> None:

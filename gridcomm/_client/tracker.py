@@ -95,7 +95,8 @@ class Tracker:
     at a sample is dated then, at most one heartbeat period late, which only ever delays a
     stall's naming, never hastens it."""
 
-    __slots__ = ("name", "generation", "entered", "kind", "inside", "_recent", "_lock", "_seen", "_seen_at")
+    __slots__ = ("name", "generation", "entered", "kind", "inside", "stream", "sampler", "_recent", "_lock", "_seen",
+                 "_seen_at")
 
     def __init__(self, name: str, generation: int, *, fingerprints: bool = False) -> None:
         self.name = name
@@ -104,6 +105,10 @@ class Tracker:
         self.entered = 0
         self.kind = ""
         self.inside = False
+        #: The stream of the last collective (NCCL counts it; see its backend's gpu_progress).
+        self.stream = 0
+        #: NCCL: () -> (collectives known complete on the GPU, seconds its pending sample waited).
+        self.sampler: Callable[[], tuple[int, float]] | None = None
         self._recent: collections.deque[str] | None = collections.deque(maxlen=RECENT) if fingerprints else None
         #: Only with fingerprints: the window and the count must be read together.
         self._lock = threading.Lock() if fingerprints else None
@@ -143,8 +148,10 @@ class Tracker:
         now = time.monotonic()
         if entered != self._seen:
             self._seen, self._seen_at = entered, now
+        completed, gpu_wait_s = self.sampler() if self.sampler is not None else (0, 0.0)
         return pb.Progress(communicator=self.name, entered=entered, kind=kind, age_s=max(0.0, now - self._seen_at),
-                           inside=self.inside, recent=recent[-entered:] if entered else [])
+                           inside=self.inside, recent=recent[-entered:] if entered else [], completed=completed,
+                           gpu_wait_s=gpu_wait_s)
 
     def counted(self, kind: str, call: Callable[..., Any]) -> Callable[..., Any]:
         """``call`` (a backend's collective), counted as it is entered and left."""

@@ -142,6 +142,8 @@ class Communicator:
         counts_itself = getattr(backend, "counts_itself", False) and not self._tracker.fingerprints
         if counts_itself:
             backend.progress = self._tracker
+        # NCCL: completion on the GPU, sampled (the backend counts its calls either way).
+        self._tracker.sampler = getattr(backend, "gpu_progress", None)
         for method in COLLECTIVES:
             call = getattr(backend, method)
             counted = method in COUNTED and not counts_itself

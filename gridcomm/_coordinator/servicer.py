@@ -211,10 +211,11 @@ class Servicer:
                         f"{what} reports {len(progress)} communicators (at most {MAX_PROGRESS_ENTRIES}).")
         entries = []
         for p in progress:
-            wrong = check_entry(p.communicator, p.entered, p.kind, p.age_s, p.recent)
+            wrong = check_entry(p.communicator, p.entered, p.kind, p.age_s, p.recent, p.gpu_wait_s)
             if wrong is not None:
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {wrong}.")
-            entries.append(Entry(p.communicator, p.entered, p.kind, p.age_s, p.inside, tuple(p.recent)))
+            entries.append(Entry(p.communicator, p.entered, p.kind, p.age_s, p.inside, tuple(p.recent),
+                                 min(p.completed, p.entered), p.gpu_wait_s))
         return entries
 
     # ------------------------------------------------------------------ operations

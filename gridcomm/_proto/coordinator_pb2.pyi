@@ -76,7 +76,7 @@ class Failure(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., reason: _Optional[str] = ..., at_unix_s: _Optional[float] = ..., reported_by: _Optional[int] = ..., cause: _Optional[_Union[FailureCause, str]] = ...) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("communicator", "entered", "kind", "age_s", "inside", "rank", "recent")
+    __slots__ = ("communicator", "entered", "kind", "age_s", "inside", "rank", "recent", "completed", "gpu_wait_s")
     COMMUNICATOR_FIELD_NUMBER: _ClassVar[int]
     ENTERED_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,8 @@ class Progress(_message.Message):
     INSIDE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     RECENT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    GPU_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     communicator: str
     entered: int
     kind: str
@@ -91,7 +93,9 @@ class Progress(_message.Message):
     inside: bool
     rank: int
     recent: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, communicator: _Optional[str] = ..., entered: _Optional[int] = ..., kind: _Optional[str] = ..., age_s: _Optional[float] = ..., inside: bool = ..., rank: _Optional[int] = ..., recent: _Optional[_Iterable[str]] = ...) -> None: ...
+    completed: int
+    gpu_wait_s: float
+    def __init__(self, communicator: _Optional[str] = ..., entered: _Optional[int] = ..., kind: _Optional[str] = ..., age_s: _Optional[float] = ..., inside: bool = ..., rank: _Optional[int] = ..., recent: _Optional[_Iterable[str]] = ..., completed: _Optional[int] = ..., gpu_wait_s: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("job_id", "rank", "world_size", "incarnation", "hostname", "wait_s", "generation", "recovery", "relay_address", "wants_relay", "relay_rank")

@@ -27,7 +27,9 @@ so collectives can be captured in a CUDA graph. Invalid calls fall to the shared
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,14 +45,46 @@ from gridcomm._errors import ArgumentError, GridcommError
 log = logging.getLogger(__name__)
 
 
+_thread = threading.local()
+
+
+def _relaxed_capture_mode() -> None:
+    """Puts the calling thread (the watcher's) in CUDA's relaxed stream-capture mode, once: in the
+    default (global) mode, a CUDA call this thread makes while the main thread captures a graph
+    could invalidate that capture; in relaxed mode it cannot (only calls that conflict with a
+    capture, such as querying an event recorded into it, stay refused, and none is made)."""
+    result = getattr(_thread, "relaxed", None)
+    if result is None:
+        mode = ctypes.c_int(2)  # CU_STREAM_CAPTURE_MODE_RELAXED
+        try:
+            result = int(ctypes.CDLL("libcuda.so.1").cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)))
+        except (OSError, AttributeError) as exc:
+            result = -1
+            log.debug("no relaxed capture mode: %s", exc)
+        _thread.relaxed = result
+    if result != 0:  # then no sample is ever taken on this thread
+        raise GridcommError(f"cuThreadExchangeStreamCaptureMode returned {result}")
+
+
+class _StreamRef:
+    """A raw stream pointer in the CUDA stream protocol (what CuPy's Stream.from_external takes)."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
 class _Count:
     """A count nobody reads (until the communicator hands the backend its tracker)."""
 
-    __slots__ = ("entered", "kind")
+    __slots__ = ("entered", "kind", "stream")
 
     def __init__(self) -> None:
         self.entered = 0
         self.kind = ""
+        self.stream = 0
 
 
 class NcclBackend:
@@ -117,6 +151,11 @@ class NcclBackend:
         #: What owns the communicator (abort/destroy), and the handle the per-call functions take.
         self._owner: Any = eng.create(world_size, rank, ids, deadline, failed, label)
         self._c: Any = eng.handle(self._owner)
+        #: GPU completion, sampled by the watcher (see gpu_progress): the device, the pending
+        #: sample (event, count, when recorded) and the count known complete.
+        self._device_id = cupy.cuda.Device().id
+        self._sample: tuple[Any, int, float] | None = None
+        self._completed = 0
 
     # ------------------------------------------------------------------ helpers
     def _stream(self, stream: Any) -> int:
@@ -146,6 +185,7 @@ class NcclBackend:
         counter = self.progress  # the communicator's count of collectives entered
         counter.entered += 1
         counter.kind = "all_reduce"
+        s = counter.stream = self._current_stream().ptr if stream is None else stream.ptr
         try:
             dtype = in_array.dtype
             nccl_type, mult, code = self._reduce_by_id[op][id(dtype)]
@@ -158,7 +198,7 @@ class NcclBackend:
         if not fast:
             nccl_type, count, code = self._all_reduce_args(in_array, out_array, op)
         self._nccl_all_reduce(in_array.data.ptr, out_array.data.ptr, count, nccl_type, code, self._c,
-                              self._current_stream().ptr if stream is None else stream.ptr)
+                              s)
 
     @_validate.reports_invalid
     def _all_reduce_args(self, in_array: Any, out_array: Any, op: str) -> tuple[int, int, int]:
@@ -171,16 +211,18 @@ class NcclBackend:
         counter = self.progress  # the communicator's count of collectives entered
         counter.entered += 1
         counter.kind = "reduce"
+        s = counter.stream = self._current_stream().ptr if stream is None else stream.ptr
         root = _validate.reduce(in_array, out_array, root, op, self.rank, self.world_size)
         nccl_type, count = self._typed(in_array, "reduce", "in_array")
         out_ptr = out_array.data.ptr if self.rank == root else in_array.data.ptr
         self._nccl_reduce(in_array.data.ptr, out_ptr, count, nccl_type, self._ops[op], root, self._c,
-                          self._stream(stream))
+                          s)
 
     def broadcast(self, in_out_array: Any, root: int = 0, stream: Any = None) -> None:
         counter = self.progress  # the communicator's count of collectives entered
         counter.entered += 1
         counter.kind = "broadcast"
+        s = counter.stream = self._current_stream().ptr if stream is None else stream.ptr
         try:
             nccl_type, mult = self._by_id[id(in_out_array.dtype)]
             fast = in_out_array._c_contiguous and type(root) is int and 0 <= root < self.world_size
@@ -191,7 +233,7 @@ class NcclBackend:
             nccl_type, count, root = self._broadcast_args(in_out_array, root)
         ptr = in_out_array.data.ptr
         self._nccl_broadcast(ptr, ptr, count, nccl_type, root, self._c,
-                             self._current_stream().ptr if stream is None else stream.ptr)
+                             s)
 
     @_validate.reports_invalid
     def _broadcast_args(self, in_out_array: Any, root: int) -> tuple[int, int, int]:
@@ -204,15 +246,17 @@ class NcclBackend:
         counter = self.progress  # the communicator's count of collectives entered
         counter.entered += 1
         counter.kind = "reduce_scatter"
+        s = counter.stream = self._current_stream().ptr if stream is None else stream.ptr
         count = _validate.reduce_scatter(in_array, out_array, count, op, self.world_size)
         nccl_type, mult = self._dtypes[in_array.dtype]
         self._nccl_reduce_scatter(in_array.data.ptr, out_array.data.ptr, count * mult, nccl_type, self._ops[op],
-                                  self._c, self._stream(stream))
+                                  self._c, s)
 
     def all_gather(self, in_array: Any, out_array: Any, count: int, stream: Any = None) -> None:
         counter = self.progress  # the communicator's count of collectives entered
         counter.entered += 1
         counter.kind = "all_gather"
+        s = counter.stream = self._current_stream().ptr if stream is None else stream.ptr
         try:
             dtype = in_array.dtype
             nccl_type, mult = self._by_id[id(dtype)]
@@ -224,7 +268,7 @@ class NcclBackend:
         if not fast:
             nccl_type, mult, count = self._all_gather_args(in_array, out_array, count)
         self._nccl_all_gather(in_array.data.ptr, out_array.data.ptr, count * mult, nccl_type, self._c,
-                              self._current_stream().ptr if stream is None else stream.ptr)
+                              s)
 
     @_validate.reports_invalid
     def _all_gather_args(self, in_array: Any, out_array: Any, count: int) -> tuple[int, int, int]:
@@ -296,8 +340,8 @@ class NcclBackend:
         counter = self.progress  # the communicator's count of collectives entered
         counter.entered += 1
         counter.kind = "scatter"
+        s = counter.stream = self._current_stream().ptr if stream is None else stream.ptr
         root = _validate.scatter(in_array, out_array, root, self.rank, self.world_size)
-        s = self._stream(stream)
         out_type, out_count = self._typed(out_array, "scatter", "out_array")
         send, recv, c = self._nccl_send, self._nccl_recv, self._c
         self._group_start()
@@ -314,8 +358,8 @@ class NcclBackend:
         counter = self.progress  # the communicator's count of collectives entered
         counter.entered += 1
         counter.kind = "gather"
+        s = counter.stream = self._current_stream().ptr if stream is None else stream.ptr
         root = _validate.gather(in_array, out_array, root, self.rank, self.world_size)
-        s = self._stream(stream)
         in_type, in_count = self._typed(in_array, "gather", "in_array")
         send, recv, c = self._nccl_send, self._nccl_recv, self._c
         self._group_start()
@@ -332,8 +376,8 @@ class NcclBackend:
         counter = self.progress  # the communicator's count of collectives entered
         counter.entered += 1
         counter.kind = "all_to_all"
+        s = counter.stream = self._current_stream().ptr if stream is None else stream.ptr
         _validate.all_to_all(in_array, out_array, self.world_size)
-        s = self._stream(stream)
         nccl_type, mult = self._dtypes[in_array.dtype]
         count = in_array.size // self.world_size * mult
         send, recv, c = self._nccl_send, self._nccl_recv, self._c
@@ -373,6 +417,47 @@ class NcclBackend:
         out = cupy.empty(len(values) * self.world_size, dtype=cupy.int64)
         self.all_gather(mine, out, len(values))
         return out.get().reshape(self.world_size, len(values)).tolist()
+
+    def gpu_progress(self) -> tuple[int, float]:
+        """On the watcher's thread, once per heartbeat: how many of this communicator's collectives
+        are known complete on the GPU, and how long the pending sample has waited (0: none).
+
+        One CUDA event at a time is recorded, after the last collective entered, on the stream
+        that collective used (never on a stream being captured into a graph); a later sample
+        looks whether it completed. The main thread pays nothing for it but noting the stream."""
+        cupy = self._cupy
+        counter = self.progress
+        now = time.monotonic()
+        sample = self._sample
+        try:
+            _relaxed_capture_mode()
+            with cupy.cuda.Device(self._device_id):
+                if sample is not None and sample[0].done:
+                    self._completed, self._sample, sample = sample[1], None, None
+                entered = counter.entered
+                if sample is None and entered > self._completed and self._owner is not None:
+                    stream = self._stream_of(counter.stream)
+                    if not stream.is_capturing():
+                        event = cupy.cuda.Event(block=False, disable_timing=True)
+                        event.record(stream)
+                        self._sample = sample = (event, entered, now)
+        except Exception as exc:  # noqa: BLE001 - a sample is a courtesy: never an error of the job
+            log.debug("rank %d: no GPU progress sample: %s", self.rank, exc)
+            self._sample = None
+            return max(self._completed, counter.entered), 0.0
+        return self._completed, (now - sample[2]) if sample is not None else 0.0
+
+    def _stream_of(self, ptr: int) -> Any:
+        """A CuPy stream object for a stream the main thread used (kept per pointer)."""
+        streams: dict[int, Any] = self.__dict__.setdefault("_streams", {})
+        stream = streams.get(ptr)
+        if stream is None:
+            if len(streams) > 64:
+                streams.clear()
+            from_external = getattr(self._cupy.cuda.Stream, "from_external", None)
+            stream = streams[ptr] = (from_external(_StreamRef(ptr)) if from_external is not None
+                                     else self._cupy.cuda.ExternalStream(ptr))
+        return stream
 
     def synchronize(self) -> None:
         self._current_stream().synchronize()

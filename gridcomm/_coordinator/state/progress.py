@@ -52,6 +52,9 @@ class Entry:
     age_s: float
     inside: bool
     recent: tuple[str, ...] = ()
+    #: NCCL: collectives known complete on the GPU, and how long its pending sample has waited.
+    completed: int = 0
+    gpu_wait_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +67,11 @@ class Hang:
     communicator: str
 
 
-def check_entry(communicator: str, entered: int, kind: str, age_s: float, recent: Sequence[str]) -> str | None:
+def check_entry(communicator: str, entered: int, kind: str, age_s: float, recent: Sequence[str],
+                gpu_wait_s: float = 0.0) -> str | None:
     """What is wrong with one reported entry, in words (None: nothing)."""
+    if not math.isfinite(gpu_wait_s) or gpu_wait_s < 0:
+        return f"a progress entry's GPU wait is {gpu_wait_s!r} s"
     if not communicator or len(communicator) > MAX_NAME:
         return f"a progress entry's communicator name has {len(communicator)} characters (1 to {MAX_NAME})"
     if len(kind) > MAX_KIND:
@@ -125,6 +131,10 @@ class CommunicatorProgress:
         self._inside: set[int] = set()
         #: count -> {fingerprint: ranks} for counts some rank fingerprinted (debug mode).
         self._prints: dict[int, dict[str, set[int]]] = {}
+        #: NCCL ranks whose sampled GPU point was pending at their last report: rank -> (since
+        #: when it waits, the count known complete). Healthy GPUs finish a sample within a
+        #: heartbeat, so this holds few ranks and a check never scans them all.
+        self._gpu_waiting: dict[int, tuple[float, int]] = {}
 
     def report(self, rank: int, entry: Entry, now: float) -> None:
         at = now - entry.age_s
@@ -152,6 +162,10 @@ class CommunicatorProgress:
             self._inside.add(rank)
         else:
             self._inside.discard(rank)
+        if entry.gpu_wait_s > 0:
+            self._gpu_waiting[rank] = (now - entry.gpu_wait_s, entry.completed)
+        else:
+            self._gpu_waiting.pop(rank, None)
         for offset, fingerprint in enumerate(entry.recent):
             count = entry.entered - len(entry.recent) + 1 + offset
             if count > before:  # each count once per rank: the window repeats what was sent before
@@ -166,7 +180,17 @@ class CommunicatorProgress:
         if not self._at[old.entered]:
             del self._at[old.entered]
         self._inside.discard(rank)
+        self._gpu_waiting.pop(rank, None)
         self._prune()
+
+    def _gpu_stuck(self, ranks: Iterable[int], now: float, bound_s: float, fresh_s: float) -> list[tuple[int, float, int]]:
+        """(rank, seconds, count complete) of those of ``ranks`` whose GPU sample has waited past the bound."""
+        out = []
+        for r in ranks:
+            waiting = self._gpu_waiting.get(r)
+            if waiting is not None and now - waiting[0] > bound_s and now - self.ranks[r].reported_at <= fresh_s:
+                out.append((r, now - waiting[0], waiting[1]))
+        return sorted(out)
 
     def _prune(self) -> None:
         """Forgets counts below every rank's (nothing more can be learned about them)."""
@@ -235,10 +259,24 @@ class CommunicatorProgress:
             last = (f"; its last was {their_kind} #{count - 1}" if count > 1 and their_kind else
                     "; it has entered none")
             others = f"; ranks {_ranks_text(laggards)} are behind with it" if len(laggards) > 1 else ""
+            gpu = self._gpu_stuck(laggards[:1], now, bound_s, fresh_s)
+            waits = (f"; its GPU has not completed collective #{gpu[0][2] + 1} for {gpu[0][1]:.0f} s (it waits for its "
+                     "GPU: an NCCL, GPU or network hang)" if gpu else "")
             reason = (f"rank {laggards[0]} has not entered {what} of communicator {self.name!r} for {waited:.0f} s; "
-                      f"ranks {_ranks_text(ahead)} wait in it{last}{others} (stall bound {bound_s:g} s, "
+                      f"ranks {_ranks_text(ahead)} wait in it{last}{others}{waits} (stall bound {bound_s:g} s, "
                       "GRIDCOMM_STALL_TIMEOUT_S)")
             return Hang(laggards[0], reason, STALL, self.name)
+        if len(self._at) == 1 and self._gpu_waiting:
+            (count,) = self._at
+            gpu = self._gpu_stuck(list(self._gpu_waiting), now, bound_s, fresh_s)
+            if gpu:
+                rank, waited, done = gpu[0]
+                kind = self.ranks[rank].kind or "collective"
+                reason = (f"every rank of communicator {self.name!r} entered {kind} #{count}, and on ranks "
+                          f"{_ranks_text([g[0] for g in gpu])} the GPU has not completed collective #{done + 1} for "
+                          f"{waited:.0f} s (an NCCL, GPU or network hang; stall bound {bound_s:g} s, "
+                          "GRIDCOMM_STALL_TIMEOUT_S)")
+                return Hang(rank, reason, STALL, self.name)
         if len(self._at) == 1 and self._inside:
             (count,) = self._at
             since = self._last.get(count)
