@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from gridcomm._cli.status import render
+from gridcomm._client.client import fetch_status
 from tests.support.procs import RankProcesses, report, wait_for
 from tests.support.ranks import LIVENESS, READINESS, check, free_port
 
@@ -107,6 +109,19 @@ def test_a_rank_stuck_in_user_code_is_named_on_every_rank_shows_its_stack_and_fa
     try:
         # Liveness is SERVING while rank 2 runs, and while it is stuck, until the job names it.
         wait_for(lambda: check(health, LIVENESS) == "SERVING", "rank 2's liveness answers", 60)
+        # Before the bound: `gridcomm status` says who is late and each rank's last collective.
+        def rank_2_late() -> Any:
+            lines = fetch_status("127.0.0.1", stall_server.port).late
+            return any("rank 2 has not entered" in line for line in lines) or stall_server.state.failures
+
+        late = wait_for(rank_2_late, "status shows rank 2 late", 60)
+        if not stall_server.state.failures:
+            reply = fetch_status("127.0.0.1", stall_server.port)
+            text = "\n".join(render(reply))
+            assert "LATE world: rank 2 has not entered all_reduce #" in text, text
+            assert "rank     2  joined" in text and "last world: all_reduce #" in text, text
+        else:
+            pytest.fail(f"the stall was named before status could show it late: {late}")
         wait_for(lambda: stall_server.state.failures, "the coordinator names a failure", 60)
         (failure,) = stall_server.state.failures
         assert failure.rank == 2 and failure.cause == "stall", failure
