@@ -120,6 +120,15 @@ class GridcommPeer(Peer):
         # has one rank per process; see "Deployment shapes" in docs/design.md).
         client = gridcomm.CoordinatorClient("127.0.0.1", port, rank, world, timeout_s=timeout_s, session="client")
         client.join()
+        return self.counted(client)
+
+    @staticmethod
+    def counted(client: Any) -> Any:
+        """Every deployed rank has a communicator, whose progress its heartbeats carry: so do these."""
+        from gridcomm._client.tracker import Tracker
+
+        client.bench_tracker = Tracker("world", client.generation)
+        client.track(client.bench_tracker)
         return client
 
     def fetch_blob(self, client: Any, rank: int, world: int, timeout_s: float) -> bytes:
@@ -129,7 +138,11 @@ class GridcommPeer(Peer):
         return client.get(BLOB_KEY)
 
     def barrier(self, client: Any, index: int, world: int, timeout_s: float) -> None:
-        client.barrier(f"bench-{index}")
+        client.bench_tracker.enter("barrier")
+        try:
+            client.barrier(f"bench-{index}")
+        finally:
+            client.bench_tracker.leave()
 
     def close(self, client: Any) -> None:
         client.leave()
@@ -160,7 +173,7 @@ class GridcommRelayPeer(GridcommPeer):
         client = gridcomm.CoordinatorClient("127.0.0.1", port, rank, world, timeout_s=timeout_s, session="client",
                                             relay=self.relay.target)
         client.join()
-        return client
+        return self.counted(client)
 
 
 class TorchPeer(Peer):
