@@ -14,8 +14,9 @@ import time
 
 os.environ.setdefault("GRIDCOMM_BIND", "127.0.0.1")
 
-import gridcomm  # noqa: E402 - after the bind address is set
 from cupy.cuda import nccl  # noqa: E402
+
+import gridcomm  # noqa: E402 - after the bind address is set
 from gridcomm._backends.nccl import engines  # noqa: E402
 
 
@@ -48,10 +49,10 @@ def main() -> None:
         for _ in range(5):
             timed(raw, lambda: nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)).destroy()
             uid = engines.new_unique_id("nccl4py")
-            timed(create, lambda: engine.create(1, 0, [uid], time.monotonic() + 30, lambda: None, "probe")).destroy()
+            timed(create, lambda uid=uid: engine.create(1, 0, [uid], time.monotonic() + 30, lambda: None, "probe")).destroy()
             comm = timed(init, lambda: gridcomm.init_process_group(1, 0, backend="nccl", host="127.0.0.1",
                                                                    port=free_port()))
-            timed(split, lambda: comm.split(0))
+            timed(split, lambda comm=comm: comm.split(0))
             comm.stop()
         print(f"poll max {poll_max * 1e3:g} ms: raw {spread(raw)}, engine create {spread(create)}, "
               f"init_process_group {spread(init)}, split {spread(split)}", flush=True)
