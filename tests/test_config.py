@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+import gridcomm
 from gridcomm import ConfigError, _config
 from gridcomm._config import registry
 
@@ -176,3 +179,52 @@ def test_settings_read_the_process_environment_at_call_time(monkeypatch):
     monkeypatch.setenv("GRIDCOMM_TIMEOUT_S", "8")
     assert _config.Settings.resolve(2, 0).timeout_s == 8.0
     assert _config.ClientSettings.resolve("h", 1, 0, 2).timeout_s == 8.0
+
+
+@pytest.mark.parametrize(("value", "words"), [
+    ("127.0.0.1:25921", ["GRIDCOMM_HOST='127.0.0.1:25921' holds a port", "GRIDCOMM_HOST='127.0.0.1'",
+                         "GRIDCOMM_PORT=25921"]),
+    ("http://job-0.svc:13333", ["GRIDCOMM_HOST='http://job-0.svc:13333' is a URL", "GRIDCOMM_PORT"]),
+])
+def test_a_host_setting_with_a_port_or_a_scheme_is_refused_at_once_naming_it(value, words):
+    from gridcomm._config import coordinator_address
+
+    with pytest.raises(gridcomm.ConfigError) as caught:
+        coordinator_address(None, None, {"GRIDCOMM_HOST": value})
+    for word in words:
+        assert word in str(caught.value)
+
+
+def test_ipv6_literals_are_still_hosts():
+    from gridcomm._config import coordinator_address
+
+    assert coordinator_address(None, None, {"GRIDCOMM_HOST": "::1"})[0] == "::1"
+    assert coordinator_address(None, None, {"GRIDCOMM_HOST": "[fd00::5]", "GRIDCOMM_PORT": "7"}) == ("fd00::5", 7)
+
+
+def test_a_blank_token_is_refused_not_taken_for_no_authentication():
+    from gridcomm._config import token
+
+    with pytest.raises(gridcomm.ConfigError, match="GRIDCOMM_TOKEN is blank"):
+        token(None, {"GRIDCOMM_TOKEN": "  \t "})
+    assert token(None, {"GRIDCOMM_TOKEN": " s3cret\n"}) == "s3cret"  # every rank reads it the same way
+    assert token(None, {"GRIDCOMM_TOKEN": ""}) is None
+    with pytest.raises(gridcomm.ConfigError, match="token is padded with whitespace"):
+        token(" s3cret")
+
+
+@pytest.mark.timeout(60)
+def test_use_mpi_is_accepted_as_cupyx_accepts_it_with_a_warning(caplog, monkeypatch):
+    monkeypatch.setenv("GRIDCOMM_BIND", "127.0.0.1")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with caplog.at_level("WARNING", logger="gridcomm._communicator.process_group"):
+        comm = gridcomm.init_process_group(1, 0, backend="host", host="127.0.0.1", port=port, use_mpi=True)
+    try:
+        x = np.ones(2)
+        comm.all_reduce(x, x)
+        assert list(x) == [1.0, 1.0]
+    finally:
+        comm.stop()
+    assert any("use_mpi=True" in r.getMessage() for r in caplog.records)

@@ -14,7 +14,7 @@ from gridcomm._client.client import CoordinatorClient
 from gridcomm._communicator.communicator import Communicator, build_backend
 from gridcomm._config.settings import CoordinatorSettings, Settings
 from gridcomm._coordinator.server import Coordinator
-from gridcomm._errors import ConfigError, GridcommError
+from gridcomm._errors import GridcommError
 from gridcomm._runtime import health as _health
 from gridcomm._runtime.address import local_address
 from gridcomm._runtime.health import ProcessHealth
@@ -61,7 +61,10 @@ def init_process_group(
         comm.stop()
     """
     if use_mpi:
-        raise ConfigError("use_mpi=True is not supported: gridcomm's rendezvous replaces MPI; drop the argument.")
+        # As cupyx accepts it: MPI there only exchanges the NCCL unique ID, which gridcomm's
+        # rendezvous does; the collectives are the same NCCL calls either way.
+        log.warning("use_mpi=True: gridcomm's rendezvous exchanges the NCCL unique ID instead of MPI "
+                    "(the collectives are unchanged); the argument can be dropped.")
     job = Job.configure(n_devices, rank, backend=backend, host=host, port=port, timeout_s=timeout_s, token=token)
     return job.start()
 

@@ -10,6 +10,7 @@ names the variable, its value and the fix. The variables are listed in
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import operator
 import os
@@ -123,10 +124,12 @@ def coordinator_address(
     """Where the coordinator is: arguments, GRIDCOMM_HOST/PORT, CUPYX_DISTRIBUTED_HOST/PORT,
     MASTER_ADDR/MASTER_PORT, then cupyx's defaults 127.0.0.1:13333."""
     env = _env(environ)
+    name = "host"
     if host is None:
         found = _first(env, ("GRIDCOMM_HOST", "CUPYX_DISTRIBUTED_HOST", "MASTER_ADDR"))
         host = DEFAULT_HOST if found is None else found[1]
-    host = validate_host("host", host)
+        name = "host" if found is None else found[0]
+    host = validate_host(name, host)
     if port is None:
         found = _first(env, ("GRIDCOMM_PORT", "CUPYX_DISTRIBUTED_PORT", "MASTER_PORT"))
         port = DEFAULT_PORT if found is None else _parse_int(found[0], found[1], minimum=1, maximum=65535)
@@ -147,8 +150,18 @@ def validate_host(name: str, host: object) -> str:
     if not isinstance(host, str) or not host.strip() or any(c.isspace() for c in host.strip()):
         raise ConfigError(f"{name}={host!r} is not a host name or address; use e.g. 'job-0.svc' or '10.0.0.1'.")
     host = host.strip()
+    if "://" in host:
+        raise ConfigError(f"{name}={host!r} is a URL; give the host name or address alone (e.g. 'job-0.svc'), "
+                          "and the port in its own setting (GRIDCOMM_PORT).")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
+    elif ":" in host:
+        try:
+            ipaddress.ip_address(host.split("%", 1)[0])
+        except ValueError:
+            bare, _, port = host.rpartition(":")
+            raise ConfigError(f"{name}={host!r} holds a port; set {name}={bare!r} and the port in its own setting "
+                              f"(GRIDCOMM_PORT={port}, or port=).") from None
     return host
 
 
@@ -226,6 +239,12 @@ def token(explicit: str | None = None, environ: Mapping[str, str] | None = None)
     if explicit is not None:
         return validate_token("token", explicit)
     env = _env(environ)
+    raw = env.get("GRIDCOMM_TOKEN")
+    if raw is not None and raw != "" and not raw.strip():
+        # Why not "unset": every other setting reads blank as unset, but a secret that is set to
+        # spaces is a mistake (a templated Secret with nothing in it), and unset means no
+        # authentication at all.
+        validate_token("GRIDCOMM_TOKEN", raw)
     found = _first(env, ("GRIDCOMM_TOKEN",))
     if found is not None:
         return validate_token(found[0], found[1])
@@ -242,6 +261,11 @@ def token(explicit: str | None = None, environ: Mapping[str, str] | None = None)
 
 
 def validate_token(name: str, value: object) -> str:
+    if isinstance(value, str) and value and value != value.strip():
+        # Why refused: a blank token is no secret, and one with spaces around it was almost
+        # surely pasted with them; the other ranks' copy would differ.
+        raise ConfigError(f"{name} is {'blank' if not value.strip() else 'padded with whitespace'}; set the secret "
+                          "itself (no spaces around it), or leave it unset for no authentication.")
     if not isinstance(value, str) or not value or not value.isprintable() or len(value) > 4096:
         raise ConfigError(f"{name} must be a non-empty printable string of at most 4096 characters.")
     return value
