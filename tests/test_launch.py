@@ -38,6 +38,25 @@ def test_launch_sets_environment_and_prefixes_output(tmp_path):
     assert len(ports) == 1
 
 
+@pytest.mark.timeout(90)
+def test_launch_sets_torchruns_names_too_and_a_torchrun_style_script_runs(tmp_path):
+    script = tmp_path / "torchrun_style.py"
+    script.write_text("import os, numpy as np, gridcomm\n"
+                      "rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])\n"
+                      "assert os.environ['LOCAL_RANK'] == str(rank) and os.environ['LOCAL_WORLD_SIZE'] == str(world)\n"
+                      "assert os.environ['MASTER_ADDR'] == '127.0.0.1'\n"
+                      "assert os.environ['MASTER_PORT'] != os.environ['GRIDCOMM_PORT']\n"
+                      "comm = gridcomm.init_process_group(world, rank, backend='host')\n"
+                      "x = np.full(2, rank + 1.0); comm.all_reduce(x, x)\n"
+                      "print('SUM', x[0], 'MASTER_PORT', os.environ['MASTER_PORT'])\n"
+                      "comm.stop()\n")
+    result = launch("--nproc", "2", "--backend", "host", str(script))
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = sorted(result.stdout.splitlines())
+    assert [line.split()[2:4] for line in lines] == [["SUM", "3.0"], ["SUM", "3.0"]], result.stdout
+    assert len({line.split()[-1] for line in lines}) == 1  # one MASTER_PORT for the job
+
+
 @pytest.mark.timeout(60)
 def test_failing_rank_stops_the_others(tmp_path):
     script = tmp_path / "fail.py"

@@ -36,14 +36,23 @@ def visible_gpus(environ: Mapping[str, str]) -> list[str]:
     return sorted((p[len("/dev/nvidia"):] for p in glob.glob("/dev/nvidia[0-9]*")), key=int)
 
 
-def rank_environments(nproc: int, backend: str, port: int, environ: Mapping[str, str]) -> list[dict[str, str]]:
+def rank_environments(nproc: int, backend: str, port: int, environ: Mapping[str, str],
+                      master_port: int | None = None) -> list[dict[str, str]]:
+    """Each rank's environment: gridcomm's settings, and torchrun's names for the same facts (a
+    torchrun-style script reads RANK, WORLD_SIZE ...). MASTER_PORT is a port of its own, free at
+    launch: a torch program makes its TCPStore there, which must not be gridcomm's coordinator."""
     gpus = visible_gpus(environ)
+    master = master_port
+    while master is None or master == port:
+        master = free_port()
     envs = []
     for rank in range(nproc):
         env = dict(environ)
         env.update(GRIDCOMM_RANK=str(rank), GRIDCOMM_LOCAL_RANK=str(rank), GRIDCOMM_WORLD_SIZE=str(nproc),
                    GRIDCOMM_HOST="127.0.0.1", GRIDCOMM_PORT=str(port), GRIDCOMM_BACKEND=backend,
-                   GRIDCOMM_BIND=env.get("GRIDCOMM_BIND", "127.0.0.1"), PYTHONUNBUFFERED="1")
+                   GRIDCOMM_BIND=env.get("GRIDCOMM_BIND", "127.0.0.1"), PYTHONUNBUFFERED="1",
+                   RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master))
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[rank % len(gpus)]
         envs.append(env)
