@@ -119,16 +119,24 @@ def probe(target: str, service: str = "", timeout_s: float = 5.0) -> tuple[int, 
     address = _config.format_target(host, port)
     started = time.monotonic()
     with grpc.insecure_channel(address, options=channel_options()) as channel:
+        # Why connect first, within the whole deadline: kubelet and grpc_health_probe keep dialling
+        # until their timeout; a check that fails fast scored 0 of 5 through a link whose HTTP/2
+        # settings arrived after 200 ms, where they scored 5 of 5.
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            return PROBE_UNREACHABLE, (f"{address}: cannot connect within {timeout_s:g} s; is the process running and "
+                                       f"serving health on port {port}?")
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+                health_pb2.HealthCheckRequest(service=service), wait_for_ready=True,
+                timeout=max(0.05, timeout_s - (time.monotonic() - started)))
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
             took = time.monotonic() - started
             if code == grpc.StatusCode.UNAVAILABLE:
-                # Why not "within N s": a refused connection fails at once, so a deadline would mislead.
-                return PROBE_UNREACHABLE, (f"{address}: cannot connect ({details}; after {took:.1f} s); is the process "
-                                           f"running and serving health on port {port}?")
+                return PROBE_UNREACHABLE, (f"{address}: the connection failed ({details}; after {took:.1f} s); is the "
+                                           f"process running and serving health on port {port}?")
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return PROBE_UNREACHABLE, f"{address}: no health answer within {timeout_s:g} s ({details})"
             return PROBE_RPC_FAILED, f"{address}: health check of service {service!r} failed: {code.name}: {details}"

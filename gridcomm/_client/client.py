@@ -636,10 +636,19 @@ def fetch_status_call(host: str, port: int, token: str | None = None,
     target = _config.format_target(host, port)
     secret = _config.token(token)
     metadata = (("authorization", f"Bearer {secret}"),) if secret else ()
+    started = time.monotonic()
     with make_channel(target, _config.tls()) as channel:
+        # Why connect first, within the whole deadline: as a probe does (a slow handshake, a
+        # port-forward, is not an unreachable coordinator).
         try:
-            reply, call = pb_grpc.CoordinatorStub(channel).Status.with_call(pb.StatusRequest(), timeout=timeout_s,
-                                                                            metadata=metadata)
+            grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise CoordinatorUnavailable(f"status: the coordinator at {target} is unavailable: cannot connect within "
+                                         f"{timeout_s:g} s") from None
+        try:
+            reply, call = pb_grpc.CoordinatorStub(channel).Status.with_call(
+                pb.StatusRequest(), timeout=max(0.05, timeout_s - (time.monotonic() - started)), metadata=metadata,
+                wait_for_ready=True)
         except grpc.RpcError as exc:
             raise translate(exc, "status", target) from exc
         return reply, tuple(call.trailing_metadata() or ())
