@@ -81,6 +81,37 @@ def test_join_timeout_names_missing_ranks(coordinator_factory):
     client.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_rank_that_left_before_the_rendezvous_does_not_complete_it(coordinator_factory):
+    server = coordinator_factory(3)
+    quitter = gridcomm.CoordinatorClient("127.0.0.1", server.port, 1, 3, timeout_s=1.0)
+    with pytest.raises(gridcomm.RendezvousTimeout):
+        quitter.join()
+    quitter.leave()  # its process gives up before the others come
+    quitter.close()
+    others = [gridcomm.CoordinatorClient("127.0.0.1", server.port, r, 3, timeout_s=2.0) for r in (0, 2)]
+    results: dict[int, object] = {}
+
+    def join(client) -> None:
+        try:
+            results[client.rank] = client.join()
+        except gridcomm.GridcommError as exc:
+            results[client.rank] = exc
+
+    import threading
+    threads = [threading.Thread(target=join, args=(c,)) for c in others]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    # Two live ranks and one that left: the rendezvous waits for rank 1, it does not complete.
+    for rank in (0, 2):
+        assert isinstance(results[rank], gridcomm.RendezvousTimeout) and results[rank].missing_ranks == [1], results
+    assert not server.state.complete
+    for c in others:
+        c.close()
+
+
 def _client(server, rank, world, **kw):
     return gridcomm.CoordinatorClient("127.0.0.1", server.port, rank, world, timeout_s=kw.pop("timeout_s", 5.0), **kw)
 

@@ -535,3 +535,16 @@ def test_a_refusal_before_the_first_generation_says_none_has_formed():
     assert refused.value.code == FAILED_PRECONDITION
     assert "has not formed its first generation yet" in refused.value.message
     assert "-1" not in refused.value.message
+
+
+def test_a_rank_that_leaves_before_the_rendezvous_is_not_a_member():
+    state = JobState(3, "job", now=0.0)
+    assert not state.join("job", 0, 3, 11, "a", 0.0)
+    assert not state.join("job", 1, 3, 12, "b", 0.0)
+    state.depart("job", 1, 12, 0, 1.0)  # rank 1's process gives up before the others came
+    assert state.missing_join() == [1, 2]
+    assert not state.join("job", 2, 3, 13, "c", 2.0)  # three joins, but one of them left
+    assert not state.complete
+    state.depart("job", 1, 12, 0, 2.5)  # its leave again (the first answer lost): answered alike
+    assert state.join("job", 1, 3, 14, "b2", 3.0)  # a new process for rank 1 completes it
+    assert state.complete and state.members[1].incarnation == 14

@@ -151,6 +151,8 @@ class CoordinatorClient:
         self._closed = False
         self._barrier_seq: dict[str, int] = {}
         self._joined = False
+        #: A join was sent (the coordinator may hold this rank as a member of the forming rendezvous).
+        self._join_sent = False
         self._left = False
         #: The job ranks of this generation, ascending (all ranks until a shrink()).
         self.members: tuple[int, ...] = tuple(range(self.world_size))
@@ -288,6 +290,7 @@ class CoordinatorClient:
 
     def join(self, timeout_s: float | None = None) -> int:
         """Registers this rank and waits until every rank has joined; returns the generation."""
+        self._join_sent = True
         self._tree()
         total = self.timeout_s if timeout_s is None else _config.parse_duration("timeout_s", timeout_s)
         relay_until = time.monotonic() + min(RELAY_JOIN_GRACE_S, total / 4)
@@ -536,6 +539,15 @@ class CoordinatorClient:
         try:
             if self._joined:
                 self._op("leave", pb.LeaveRequest(caller=self.caller), f"rank {self.rank}: leave", timeout_s)
+            elif self._join_sent:
+                # Why also after a join that did not complete: the coordinator holds this rank as a
+                # member of the forming rendezvous until it hears the rank left. Best effort: the
+                # join's own error already said what went wrong.
+                try:
+                    self._op("leave", pb.LeaveRequest(caller=self.caller), f"rank {self.rank}: leave",
+                             min(timeout_s, 2.0))
+                except GridcommError as exc:
+                    log.debug("rank %d: leave after an incomplete join: %s", self.rank, exc)
             self._left = True
         finally:
             self.close()

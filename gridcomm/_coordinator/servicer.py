@@ -266,7 +266,7 @@ class Servicer:
         it was O(world size) per answer, O(world size^2) per round of slices (8,192 ranks waiting
         out a 40 s connect storm spent the coordinator's loop on it)."""
         state = self._state
-        key = (len(state.members), state.generation, len(state.failures), sum(self.metrics.join_refusals.values()))
+        key = (state.member_changes, state.generation, len(state.failures), sum(self.metrics.join_refusals.values()))
         cached = self._missing_answer
         if cached is None or cached[0] != key:
             missing = state.missing_join()

@@ -46,6 +46,15 @@ class Liveness(StateBase):
 
     def leave(self, rank: int, now: float) -> None:
         member = self.members[rank]
+        if not self.complete and member.state is MemberState.JOINED:
+            # Why removed, not marked: before the rendezvous completes, a rank that left is not a
+            # member; counted, it completed a rendezvous with a member that was gone, and the job
+            # never started. A new process for the rank joins in its place.
+            del self.members[rank]
+            self.member_changes += 1
+            self._drop_pieces(rank)
+            self.progress.remove(rank)
+            return
         if member.state is MemberState.JOINED:
             member.state = MemberState.LEFT
             member.last_seen = now
@@ -75,6 +84,8 @@ class Liveness(StateBase):
         return failure
 
     progress: Progress
+    #: +1 whenever the forming rendezvous gains or loses a member (what a cached missing list keys on).
+    member_changes: int
 
     def report_progress(self, rank: int, generation: int, entries: Iterable[Entry], now: float) -> None:
         """``rank``'s progress in its communicators of ``generation`` (see state.progress)."""

@@ -96,6 +96,7 @@ class JobState(Liveness, Barriers, KeyValue):
         self.recovered_from: tuple[int, str | None] = (0, None)
         #: How far each rank got in each communicator of the current generation.
         self.progress = Progress()
+        self.member_changes = 0
 
     @property
     def active(self) -> tuple[int, ...]:
@@ -143,6 +144,7 @@ class JobState(Liveness, Barriers, KeyValue):
         if old is not None and self._repoll(old, incarnation, now, "is already taken by a live process"):
             return False
         self.members[rank] = Member(rank, incarnation, hostname, joined_at=now, last_seen=now)
+        self.member_changes += 1
         if len(self.members) == self.world_size:
             self.generation = 1
             self.completed_at = now
@@ -436,6 +438,10 @@ class JobState(Liveness, Barriers, KeyValue):
         """A leave request: the caller's identity is checked, except that the same process
         leaving again is answered as the first time (its first answer may have been lost)."""
         member = self.members.get(rank)
+        if member is None and not self.complete and generation == 0:
+            self._check_job(job_id)
+            self._check_rank(rank, "leave")
+            return  # it left before the rendezvous (or never joined): nothing to undo, answered alike
         if member is None or member.state is not MemberState.LEFT or member.incarnation != incarnation:
             self.check_caller(job_id, rank, incarnation, generation, "leave")
         self.leave(rank, now)
