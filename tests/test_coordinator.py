@@ -365,3 +365,25 @@ def test_a_coordinator_restarted_after_the_rendezvous_says_so(coordinator_factor
     finally:
         for c in clients:
             c.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_is_reported_once_and_survivors_that_exit_are_not_errors(coordinator_factory, caplog):
+    import threading
+
+    server = coordinator_factory(3, heartbeat_timeout_s=1.0)
+    clients = [gridcomm.CoordinatorClient("127.0.0.1", server.port, r, 3, timeout_s=10) for r in range(3)]
+    threads = [threading.Thread(target=c.join) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    with caplog.at_level("INFO", logger="gridcomm._coordinator.servicer"):
+        clients[2].report_failure("boom")
+        for c in clients:
+            c.close()  # every process exits on the failure without leaving (a job's exit code 3)
+        wait_for(lambda: len(server.state.failures) == 3, "the survivors' silence is recorded", 20)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == ["coordinator: rank 2 reported a failure: boom"], errors
+    later = [r.getMessage() for r in caplog.records if "after rank 2's failure" in r.getMessage()]
+    assert len(later) == 2 and all(r.levelname == "INFO" for r in caplog.records if r.getMessage() in later), later

@@ -196,9 +196,15 @@ class Servicer:
             self._owner.note_all_left()
 
     def _fail(self, rank: int, reason: str, cause: str = "") -> None:
+        first = self._state.first_failure()
         failure = self._state.fail(rank, reason, -1, self._now(), cause)
         if failure is not None:
-            log.error("coordinator: %s", reason)
+            if first is not None and first.rank != rank and not cause:
+                # Why not an error: after a failure the survivors exit or recover, and one that
+                # exits without leaving goes silent; the failure was reported once, by its rank.
+                log.info("coordinator: %s, after rank %d's failure (it exited or is recovering)", reason, first.rank)
+            else:
+                log.error("coordinator: %s", reason)
             if cause:
                 self.metrics.hangs[cause] += 1
             self._on_failure()
