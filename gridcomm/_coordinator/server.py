@@ -359,7 +359,16 @@ class Coordinator:
         before the rendezvous completed, no rank has a call in flight (the joiners got their answer)."""
         deadline = time.monotonic() + timeout_s
         state = self.state
+        said = False
         while not self._all_left.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+            if not said and time.monotonic() > deadline - timeout_s + 1.0:
+                # Why say it: the process of rank 0 outlives its script by up to the grace, and a
+                # silent linger reads as a hang (kubectl logs showed nothing for ~14 s).
+                said = True
+                joined = [m.rank for m in list(state.members.values()) if m.state.name == "JOINED"]
+                log.warning("coordinator: waiting up to %.0f s more for %d rank(s) still joined to leave or be "
+                            "found gone (%s), then it stops", max(0.0, deadline - time.monotonic()), len(joined),
+                            ", ".join(map(str, sorted(joined)[:8])) + (" ..." if len(joined) > 8 else ""))
             if time.monotonic() >= deadline:
                 return
             if not state.complete and not any(m.active_calls for m in list(state.members.values())):
