@@ -286,3 +286,22 @@ def test_the_data_plane_uses_tls_when_the_job_does(ranks: Callable[..., Ranks], 
         assert links == {str(1 - rank): transport}, links
         job.expect(rank, r"^OK$", 30)
         assert job.procs[rank].wait(30) == 0, job.report()
+
+
+def test_tls_key_material_never_touches_the_disk(pki: dict[str, str], monkeypatch) -> None:
+    """The data plane's TLS contexts load the PEMs from memory files: no folder is made for them
+    (a kill there would leave the key on disk)."""
+    import tempfile
+
+    from gridcomm import _config
+    from gridcomm._backends.host.tls import tls_contexts
+
+    made: list[str] = []
+    real = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    env = {"GRIDCOMM_TLS_CERT": pki["server"] + ".pem", "GRIDCOMM_TLS_KEY": pki["server"] + ".key",
+           "GRIDCOMM_TLS_CA": pki["ca"] + ".pem", "GRIDCOMM_TLS_REQUIRE_CLIENT_CERT": "1"}
+    tls = _config.tls(env)
+    assert tls is not None
+    server, client = tls_contexts(tls)
+    assert server.verify_mode.name == "CERT_REQUIRED" and made == []

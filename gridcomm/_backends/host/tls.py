@@ -14,8 +14,24 @@ from gridcomm._errors import (
 
 # ---------------------------------------------------------------------------------------------- TLS
 def _load_pair(context: ssl.SSLContext, cert: bytes, key: bytes | None) -> None:
-    """ssl loads certificate chains from files only: the PEMs are written to a private folder for
-    the call and removed at once."""
+    """ssl loads certificate chains from files only. On Linux the PEMs go to anonymous memory
+    files (memfd), read through /proc/self/fd: nothing reaches a disk, and nothing is left behind
+    whatever ends the process. Elsewhere a private folder is written and removed at once."""
+    memfd = getattr(os, "memfd_create", None)
+    if memfd is not None and os.path.isdir("/proc/self/fd"):
+        fds = []
+        try:
+            for name, data in (("gridcomm-cert", cert), ("gridcomm-key", key or b"")):
+                fd = memfd(name, getattr(os, "MFD_CLOEXEC", 0))
+                fds.append(fd)
+                os.write(fd, data)
+            context.load_cert_chain(f"/proc/self/fd/{fds[0]}", f"/proc/self/fd/{fds[1]}" if key else None)
+            return
+        except OSError:
+            pass  # e.g. no /proc inside a sandbox: the folder below
+        finally:
+            for fd in fds:
+                os.close(fd)
     folder = tempfile.mkdtemp(prefix="gridcomm-tls-")
     try:
         cert_path = os.path.join(folder, "cert.pem")
