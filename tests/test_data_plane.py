@@ -305,3 +305,36 @@ def test_tls_key_material_never_touches_the_disk(pki: dict[str, str], monkeypatc
     assert tls is not None
     server, client = tls_contexts(tls)
     assert server.verify_mode.name == "CERT_REQUIRED" and made == []
+
+
+def test_segment_names_left_by_dead_processes_are_swept_and_live_ones_kept(tmp_path) -> None:
+    """A SIGKILL between creating a segment and its peer mapping it leaves its name in /dev/shm;
+    the next process that makes segments removes it (if old enough), and never a live one's."""
+    import secrets
+    import subprocess
+    import sys
+
+    from gridcomm._backends.host import shm
+
+    if not shm.usable():
+        pytest.skip("no usable /dev/shm")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)  # this process has exited
+    names = {"dead_old": f"gridcomm-{dead_pid}-{secrets.token_hex(8)}",
+             "dead_new": f"gridcomm-{dead_pid}-{secrets.token_hex(8)}",
+             "alive_old": f"gridcomm-{os.getpid()}-{secrets.token_hex(8)}"}
+    paths = {k: os.path.join(shm.SHM_DIR, n) for k, n in names.items()}
+    try:
+        for key, path in paths.items():
+            with open(path, "wb") as handle:
+                handle.write(b"x" * 4096)
+            if key.endswith("old"):
+                old = time.time() - 2 * shm.SWEEP_AGE_S
+                os.utime(path, (old, old))
+        swept = shm.sweep_dead()
+        assert names["dead_old"] in swept and not os.path.exists(paths["dead_old"])
+        assert os.path.exists(paths["dead_new"]) and os.path.exists(paths["alive_old"])
+    finally:
+        for path in paths.values():
+            if os.path.exists(path):
+                os.unlink(path)

@@ -545,6 +545,7 @@ def test_a_rank_that_leaves_before_the_rendezvous_is_not_a_member():
     assert state.missing_join() == [1, 2]
     assert not state.join("job", 2, 3, 13, "c", 2.0)  # three joins, but one of them left
     assert not state.complete
-    state.depart("job", 1, 12, 0, 2.5)  # its leave again (the first answer lost): answered alike
+    with pytest.raises(StateError):  # no longer a member: a second leave is refused, changing nothing
+        state.depart("job", 1, 12, 0, 2.5)
     assert state.join("job", 1, 3, 14, "b2", 3.0)  # a new process for rank 1 completes it
     assert state.complete and state.members[1].incarnation == 14

@@ -110,9 +110,7 @@ def launch(nproc: int, command: Sequence[str], backend: str | None = None,
                 err.write(f"gridcomm launch: got {signal.Signals(signum).name}; passing it to every rank and waiting "
                           f"for them to stop (up to {STOP_GRACE_S:g} s)\n".encode())
                 err.flush()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signum)
+        _signal_all(procs, signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     first_failure: tuple[int, int] | None = None
@@ -121,7 +119,16 @@ def launch(nproc: int, command: Sequence[str], backend: str | None = None,
         running = set(range(nproc))
         while running:
             # Blocks until some child exits (no polling); signals are forwarded meanwhile.
-            pid, status = os.wait()
+            try:
+                pid, status = os.wait()
+            except ChildProcessError:
+                # Reaped elsewhere (a Popen method): what Popen recorded is their exit.
+                for rank in sorted(running):
+                    code = procs[rank].wait(10)
+                    if code != 0 and first_failure is None:
+                        first_failure = (rank, code)
+                running.clear()
+                break
             found = by_pid.get(pid)
             if found is None or found not in running:
                 continue
@@ -158,10 +165,13 @@ def launch(nproc: int, command: Sequence[str], backend: str | None = None,
 
 
 def _signal_all(procs: Sequence[subprocess.Popen[bytes]], signum: int) -> None:
+    # Why os.kill, not Popen.send_signal: that polls first, reaping a child that exited, and the
+    # launcher's os.wait() then found no child to wait for (ChildProcessError after a Ctrl-C, seen
+    # on a loaded machine). An exited child not yet waited for keeps its pid, so this is safe.
     for proc in procs:
         if proc.returncode is None:
             try:
-                proc.send_signal(signum)
+                os.kill(proc.pid, signum)
             except ProcessLookupError:
                 pass
 

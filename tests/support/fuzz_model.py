@@ -514,6 +514,12 @@ class Job:
             self.expect(out, ident, what)
             return
         self.expect(out, {OK}, what)
+        if not self.complete and caller.rank not in self.failed:
+            # Before the rendezvous completes, a joined rank that left is no member (it is
+            # dropped; a new process may join in its place). A failed one stays failed.
+            self.incarnations.pop(caller.rank, None)
+            self.last_seen.pop(caller.rank, None)
+            return
         if caller.rank not in self.failed:
             self.left.add(caller.rank)
             self.last_seen[caller.rank] = time.monotonic()

@@ -20,12 +20,16 @@ from __future__ import annotations
 import atexit
 import hashlib
 import hmac
+import logging
 import mmap
 import os
 import re
 import secrets
 import socket
 import threading
+import time
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 #: Every segment name starts with this, then the creating pid and 16 random hex digits.
@@ -39,6 +43,43 @@ HEADER_BYTES = 64
 _linked: set[str] = set()
 _lock = threading.Lock()
 _atexit_registered = False
+_swept = False
+#: A segment whose creator is gone is swept only once it is this old (seconds): a live creator
+#: unlinks its name within a handshake, and a creator in another pid namespace that shares this
+#: /dev/shm must not lose a segment it is still handing to its peer.
+SWEEP_AGE_S = 60.0
+
+
+def sweep_dead(now: float | None = None) -> list[str]:
+    """Unlinks gridcomm segment names of this user whose creating process is gone (a SIGKILL
+    between creating a segment and its peer mapping it leaves one behind); returns them."""
+    now = time.time() if now is None else now
+    gone: list[str] = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return gone
+    for name in names:
+        if not _NAME.match(name) or name in _linked:
+            continue
+        pid = int(name[len(PREFIX):].split("-", 1)[0])
+        path = os.path.join(SHM_DIR, name)
+        try:
+            info = os.lstat(path)
+            if info.st_uid != os.getuid() or now - info.st_mtime < SWEEP_AGE_S:
+                continue
+            try:
+                os.kill(pid, 0)
+                continue  # alive (or its pid reused): left alone
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue  # alive, another user's
+            os.unlink(path)
+            gone.append(name)
+        except OSError:
+            continue
+    return gone
 
 
 class ShmUnavailable(OSError):
@@ -89,7 +130,13 @@ class Segment:
     @classmethod
     def create(cls, slots: int, slot_bytes: int) -> Segment:
         """A new segment under a fresh name, its pages reserved and its cookie written."""
-        global _atexit_registered
+        global _atexit_registered, _swept
+        if not _swept:
+            _swept = True
+            swept = sweep_dead()
+            if swept:
+                log.info("removed %d shared-memory segment name(s) left by processes that died: %s", len(swept),
+                         ", ".join(swept[:4]))
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         path = os.path.join(SHM_DIR, name)
         size = cls.size(slots, slot_bytes)

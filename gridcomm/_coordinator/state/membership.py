@@ -438,10 +438,6 @@ class JobState(Liveness, Barriers, KeyValue):
         """A leave request: the caller's identity is checked, except that the same process
         leaving again is answered as the first time (its first answer may have been lost)."""
         member = self.members.get(rank)
-        if member is None and not self.complete and generation == 0:
-            self._check_job(job_id)
-            self._check_rank(rank, "leave")
-            return  # it left before the rendezvous (or never joined): nothing to undo, answered alike
         if member is None or member.state is not MemberState.LEFT or member.incarnation != incarnation:
             self.check_caller(job_id, rank, incarnation, generation, "leave")
         self.leave(rank, now)
