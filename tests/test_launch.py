@@ -133,8 +133,9 @@ def test_launch_with_relay_on_carries_the_ranks_through_its_relay(tmp_path):
                       "with gridcomm.init_process_group(backend='host') as comm:\n"
                       "    comm.barrier()\n"
                       "print('RELAY', os.environ['GRIDCOMM_RELAY_ADDRESS'])\n")
+    # With a token: the launcher reads it (for its relay) and still passes it on to its ranks.
     result = launch("--nproc", "3", "--backend", "host", str(script),
-                    env=dict(ENV, GRIDCOMM_RELAY="on"))
+                    env=dict(ENV, GRIDCOMM_RELAY="on", GRIDCOMM_TOKEN="launch-secret"))
     assert result.returncode == 0, result.stderr
     relays = {line.split("RELAY ")[1] for line in result.stdout.splitlines() if "RELAY " in line}
     assert len(relays) == 1 and relays.pop().startswith("127.0.0.1:"), result.stdout

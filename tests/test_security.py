@@ -189,3 +189,37 @@ def test_tls_on_both_hops_of_a_relay(coordinator_factory, pki):
         channel.close()
     finally:
         relay.stop()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("inherit", ["", "1"])
+def test_the_token_is_taken_out_of_the_environment_once_read(inherit):
+    """A rank's children (a data loader, a shell-out) do not inherit GRIDCOMM_TOKEN unless
+    GRIDCOMM_TOKEN_INHERIT asks; the rank itself keeps using it."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, GRIDCOMM_HOST="127.0.0.1", GRIDCOMM_PORT=str(port), GRIDCOMM_BIND="127.0.0.1",
+               GRIDCOMM_BACKEND="host", GRIDCOMM_TOKEN="shared-secret", GRIDCOMM_TIMEOUT_S="30",
+               GRIDCOMM_TOKEN_INHERIT=inherit)
+    code = """
+import os, subprocess, sys
+import numpy as np, gridcomm
+from gridcomm import _config
+with gridcomm.init_process_group() as comm:
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('GRIDCOMM_TOKEN'))"],
+                           capture_output=True, text=True, timeout=30).stdout.strip()
+    print("CHILD", child, flush=True)
+    assert _config.token() == "shared-secret"  # read again in the rank: still the token
+    x = np.ones(3) * (comm.rank + 1)
+    comm.all_reduce(x, x)
+    assert (x == 3).all(), x
+print("OK", flush=True)
+"""
+    results = RankProcesses(code, 2, env=env).wait(60)
+    expected = "shared-secret" if inherit else "None"
+    for rank in (0, 1):
+        assert results[rank].returncode == 0 and "OK" in results[rank].stdout, report(results)
+        assert f"CHILD {expected}" in results[rank].stdout, report(results)

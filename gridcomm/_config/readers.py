@@ -234,11 +234,32 @@ def debug_flags(environ: Mapping[str, str] | None = None) -> frozenset[str]:
     return flags
 
 
+#: The token this process read from GRIDCOMM_TOKEN and took out of its environment.
+_taken_token: str | None = None
+
+
 def token(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
-    """The shared secret: argument, GRIDCOMM_TOKEN, then the contents of GRIDCOMM_TOKEN_FILE."""
+    """The shared secret: argument, GRIDCOMM_TOKEN, then the contents of GRIDCOMM_TOKEN_FILE.
+
+    Read from the process environment, GRIDCOMM_TOKEN is removed from it (and remembered), so
+    the processes the program starts do not inherit the secret, unless GRIDCOMM_TOKEN_INHERIT
+    asks to keep it there. Why: a data loader, a shell-out or a crash reporter would otherwise
+    carry it. ``/proc/PID/environ`` (readable by the same user only) still shows the start-up
+    environment; GRIDCOMM_TOKEN_FILE keeps the secret out of it altogether."""
+    global _taken_token
     if explicit is not None:
         return validate_token("token", explicit)
     env = _env(environ)
+    if env is os.environ:
+        found = _first(env, ("GRIDCOMM_TOKEN",))
+        if found is None and env.get("GRIDCOMM_TOKEN", "") == "" and _taken_token is not None:
+            return _taken_token
+        if found is not None:
+            value = validate_token(found[0], found[1])
+            if not token_inherited(env):
+                os.environ.pop("GRIDCOMM_TOKEN", None)
+                _taken_token = value
+            return value
     raw = env.get("GRIDCOMM_TOKEN")
     if raw is not None and raw != "" and not raw.strip():
         # Why not "unset": every other setting reads blank as unset, but a secret that is set to
@@ -432,18 +453,28 @@ def data_host(environ: Mapping[str, str] | None = None) -> str | None:
     return None if found is None else validate_host(found[0], found[1])
 
 
-def shared_memory(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether host-backend ranks of one host may exchange through /dev/shm: GRIDCOMM_SHM (``0``,
-    ``off``, ``false`` or ``no`` turn it off, e.g. where /dev/shm is too small), default on."""
-    found = _first(_env(environ), ("GRIDCOMM_SHM",))
+def token_inherited(environ: Mapping[str, str] | None = None) -> bool:
+    """GRIDCOMM_TOKEN_INHERIT: keep GRIDCOMM_TOKEN in the environment once read (child processes
+    then inherit it); default off."""
+    return _flag("GRIDCOMM_TOKEN_INHERIT", environ, default=False)
+
+
+def _flag(name: str, environ: Mapping[str, str] | None, *, default: bool) -> bool:
+    found = _first(_env(environ), (name,))
     if found is None:
-        return True
+        return default
     value = found[1].lower()
     if value in ("1", "on", "true", "yes"):
         return True
     if value in ("0", "off", "false", "no"):
         return False
-    raise ConfigError(f"GRIDCOMM_SHM={found[1]!r} must be 1/on/true/yes or 0/off/false/no.")
+    raise ConfigError(f"{name}={found[1]!r} must be 1/on/true/yes or 0/off/false/no.")
+
+
+def shared_memory(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether host-backend ranks of one host may exchange through /dev/shm: GRIDCOMM_SHM (``0``,
+    ``off``, ``false`` or ``no`` turn it off, e.g. where /dev/shm is too small), default on."""
+    return _flag("GRIDCOMM_SHM", environ, default=True)
 
 
 def metrics_port(explicit: int | None = None, environ: Mapping[str, str] | None = None) -> int | None:

@@ -38,6 +38,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("GRIDCOMM_TOKEN", "string", "none (no authentication)",
              "the shared secret every coordinator RPC carries", "`token=`"),
     Variable("GRIDCOMM_TOKEN_FILE", "path", "none", "a file holding the token (a mounted Secret)"),
+    Variable("GRIDCOMM_TOKEN_INHERIT", "bool", "off",
+             "keep `GRIDCOMM_TOKEN` in the environment once read, so child processes inherit it (by default it is "
+             "removed, and only `gridcomm launch` passes it on, to its ranks)"),
     Variable("GRIDCOMM_TIMEOUT_S", "seconds", "300 s", "the bound on a whole call (join, barrier, rebuild ...)",
              "`timeout_s=`"),
     Variable("GRIDCOMM_HEARTBEAT_TIMEOUT_S", "seconds", "15 s",
