@@ -1,6 +1,9 @@
 """Offline checks of deploy/: every manifest against yamllint, the Kubernetes API schemas and the
 JobSet CRD, and the cross-field facts schemas cannot see (names that must agree, ports, env names
-the library reads, exit codes the failure policy relies on).
+the library reads, exit codes the failure policy relies on); every pod template against the Pod
+Security Standards' "restricted" profile (our own table of its controls), and each layout's
+NetworkPolicy against who must and must not reach each port; and, as root, the example program
+under a read-only root filesystem with only the manifests' volumes writable.
 
 Each check runs on the committed manifests and on the generator's output for other values, so a
 template that only works for the defaults fails here.
@@ -13,9 +16,12 @@ import copy
 import importlib.util
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
@@ -29,9 +35,11 @@ from gridcomm import _config
 from gridcomm._cli import main as _cli
 from gridcomm._config import cluster as _cluster
 from tests.support import k8s_jobs
-from tests.support.procs import ROOT
+from tests.support.procs import ROOT, free_port
 
 DEPLOY = os.path.join(ROOT, "deploy")
+#: The folders of deploy/k8s that each run a job (one `kubectl apply -f` each).
+LAYOUTS = ("job", "jobset", "recoverable")
 K8S = os.path.join(DEPLOY, "k8s")
 CRD = os.path.join(ROOT, "tests", "data", "jobset-crd.yaml")  # see tests/data/README.md
 NAMESPACE_DOMAIN = "team-a.svc.cluster.local"
@@ -50,7 +58,8 @@ train = _load_module("gridcomm_deploy_train", os.path.join(DEPLOY, "docker", "tr
 K8S_VERSIONS = [generate.MIN_KUBERNETES, kubernetes_validate.latest_version()]
 
 CUSTOM_ARGS = ["--name", "llm-train", "--service", "llm-net", "--world-size", "16", "--image",
-               "registry.example.com/team/llm@sha256:" + "a" * 64, "--backend", "host", "--replicated-job", "gpu-workers"]
+               "registry.example.com/team/llm@sha256:" + "a" * 64, "--backend", "host", "--replicated-job", "gpu-workers",
+               "--monitoring-namespace", "observability"]
 
 
 def _committed() -> dict[str, str]:
@@ -94,6 +103,7 @@ class Manifests:
         self.coordinator, self.coordinator_service = one["recoverable/coordinator.yaml"], one["recoverable/coordinator-service.yaml"]
         self.checkpoints, self.recoverable_job = one["recoverable/checkpoints.yaml"], one["recoverable/job.yaml"]
         self.recoverable_metrics = one["recoverable/metrics-service.yaml"]
+        self.network_policies = {folder: one[f"{folder}/network-policy.yaml"] for folder in LAYOUTS}
 
     def pod_specs(self) -> Iterator[tuple[str, dict]]:
         yield "Job", self.job["spec"]["template"]["spec"]
@@ -127,6 +137,7 @@ def test_committed_manifests_are_the_generators_output_with_defaults():
     (["--world-size", "0"], "at least 1"),
     (["--image", "bad image"], "image reference"),
     (["--backend", "mpi"], "one of auto, nccl, host"),
+    (["--monitoring-namespace", "Prometheus"], "namespace name"),
 ])
 def test_generator_refuses_values_kubernetes_would_reject(argv: list[str], message: str):
     with pytest.raises(SystemExit, match=message):
@@ -138,10 +149,11 @@ def test_generator_backends_are_the_librarys():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("extra, kinds", [([], ["Service", "Job", "Service"]), (["--jobset"], ["JobSet", "Service"]),
+@pytest.mark.parametrize("extra, kinds", [([], ["Service", "Job", "Service", "NetworkPolicy"]),
+                                          (["--jobset"], ["JobSet", "Service", "NetworkPolicy"]),
                                           (["--servicemonitor"], ["ServiceMonitor"]),
                                           (["--recoverable"], ["Deployment", "Service", "PersistentVolumeClaim", "Job",
-                                                               "Service"])])
+                                                               "Service", "NetworkPolicy"])])
 def test_generator_command_line_prints_what_kubectl_applies(extra: list[str], kinds: list[str]):
     out = subprocess.run([sys.executable, os.path.join(K8S, "generate.py"), "--name", "demo", "--world-size", "3", *extra],
                          capture_output=True, text=True, timeout=60)
@@ -157,9 +169,9 @@ def test_one_folder_per_kubectl_apply():
     assert not [n for n in os.listdir(K8S) if n.endswith((".yaml", ".yml", ".json"))]
     kinds = {folder: sorted(d["kind"] for name, text in SETS["committed"].items() if name.startswith(folder + "/")
                             for d in _docs(text)) for folder in ("job", "jobset", "monitoring", "recoverable")}
-    assert kinds == {"job": ["Job", "Service", "Service"], "jobset": ["JobSet", "Service"],
+    assert kinds == {"job": ["Job", "NetworkPolicy", "Service", "Service"], "jobset": ["JobSet", "NetworkPolicy", "Service"],
                      "monitoring": ["ServiceMonitor"],
-                     "recoverable": ["Deployment", "Job", "PersistentVolumeClaim", "Service", "Service"]}
+                     "recoverable": ["Deployment", "Job", "NetworkPolicy", "PersistentVolumeClaim", "Service", "Service"]}
     assert not any(d["kind"] == "Secret" for text in SETS["committed"].values() for d in _docs(text))
 
 
@@ -200,7 +212,8 @@ def test_yamllint_can_fail():
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_builtin_kinds_validate_strictly(m: Manifests, version: str):
-    for doc in (m.service, m.job, m.job_metrics, m.jobset_metrics):
+    for doc in (m.service, m.job, m.job_metrics, m.jobset_metrics, m.network_policies["job"],
+                m.network_policies["jobset"]):
         kubernetes_validate.validate(doc, version, strict=True)
 
 
@@ -223,7 +236,7 @@ def test_jobsets_job_template_is_a_valid_job(m: Manifests, version: str):
 @pytest.mark.parametrize("path, value", [
     (("spec", "template", "spec", "containers", 0, "readinesProbe"), {}),
     (("spec", "completions"), "two"),
-    (("spec", "podFailurePolicy", "rules", 0, "onExitCodes", "values"), "2"),
+    (("spec", "podFailurePolicy", "rules", 1, "onExitCodes", "values"), "2"),
 ])
 def test_strict_validation_catches_typos_and_types(m: Manifests, path: tuple, value: object):
     job = copy.deepcopy(m.job)
@@ -691,3 +704,588 @@ def test_train_py_settings_errors_exit_2(env: dict[str, str], message: str):
                           env={**_without_gridcomm(os.environ), "PYTHONPATH": ROOT, **env}, timeout=60)
     assert done.returncode == train.EXIT_CONFIG_ERROR, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+# --- Pod Security Standards: the "restricted" profile ------------------------------------------------
+# Our own table of the profile's controls, as https://kubernetes.io/docs/concepts/security/pod-security-standards/
+# lists them: each control's "Restricted Fields" and their "Allowed Values" (Restricted includes every
+# Baseline control). Why our own: no offline checker of exactly these controls is installed or a
+# dependency here (Pod Security Admission runs inside the API server; checkov, on PyPI, checks a
+# list of its own). HARDENING adds what this project asks beyond the profile: a read-only root
+# filesystem, no service-account token, and a non-root user and group set explicitly.
+
+#: Baseline "Sysctls": the safe sysctls a pod may set.
+SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+                "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+                "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+                "net.ipv4.tcp_keepalive_probes"}
+#: Restricted "Volume Types": the only volume sources a pod may use.
+RESTRICTED_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                           "projected", "secret"}
+#: Baseline "SELinux": the types a pod may ask for.
+SELINUX_TYPES = {"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
+#: Restricted "Capabilities": the only one a container may add, after dropping ALL.
+RESTRICTED_ADDABLE_CAPABILITIES = {"NET_BIND_SERVICE"}
+#: Kinds that hold no pod template; any other kind must be taught to pod_templates().
+NO_POD_TEMPLATE = {"Service", "PersistentVolumeClaim", "NetworkPolicy", "ServiceMonitor", "ConfigMap", "Secret",
+                   "PodDisruptionBudget", "PrometheusRule"}
+
+
+@dataclass(frozen=True)
+class PodTemplate:
+    """One pod template of a manifest: where it is, its metadata and its spec."""
+
+    where: str
+    metadata: dict
+    spec: dict
+
+    def containers(self) -> Iterator[tuple[str, dict]]:
+        for kind in ("initContainers", "containers", "ephemeralContainers"):
+            for container in self.spec.get(kind) or []:
+                yield f"{kind}[{container.get('name')}]", container
+
+    @property
+    def security(self) -> dict:
+        return self.spec.get("securityContext") or {}
+
+
+def _sc(container: dict) -> dict:
+    return container.get("securityContext") or {}
+
+
+def _effective(pod: PodTemplate, container: dict, key: str) -> Any:
+    """A setting as the container gets it: its own securityContext's, else the pod's."""
+    own = _sc(container).get(key)
+    return own if own is not None else pod.security.get(key)
+
+
+def _host_process(pod: PodTemplate) -> Iterator[str]:
+    if (pod.security.get("windowsOptions") or {}).get("hostProcess"):
+        yield "spec.securityContext.windowsOptions.hostProcess is true"
+    for where, c in pod.containers():
+        if (_sc(c).get("windowsOptions") or {}).get("hostProcess"):
+            yield f"{where}.securityContext.windowsOptions.hostProcess is true"
+
+
+def _host_namespaces(pod: PodTemplate) -> Iterator[str]:
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.spec.get(key):
+            yield f"spec.{key} is true"
+
+
+def _privileged(pod: PodTemplate) -> Iterator[str]:
+    for where, c in pod.containers():
+        if _sc(c).get("privileged"):
+            yield f"{where}.securityContext.privileged is true"
+
+
+def _host_path(pod: PodTemplate) -> Iterator[str]:
+    for volume in pod.spec.get("volumes") or []:
+        if "hostPath" in volume:
+            yield f"spec.volumes[{volume['name']}].hostPath is set"
+
+
+def _host_ports(pod: PodTemplate) -> Iterator[str]:
+    for where, c in pod.containers():
+        for port in c.get("ports") or []:
+            if port.get("hostPort"):
+                yield f"{where}.ports[{port.get('name')}].hostPort is {port['hostPort']}"
+
+
+def _apparmor(pod: PodTemplate) -> Iterator[str]:
+    contexts = [("spec.securityContext", pod.security)] + [(f"{w}.securityContext", _sc(c)) for w, c in pod.containers()]
+    for where, sc in contexts:
+        kind = (sc.get("appArmorProfile") or {}).get("type")
+        if kind not in (None, "RuntimeDefault", "Localhost"):
+            yield f"{where}.appArmorProfile.type is {kind}"
+    for key, value in (pod.metadata.get("annotations") or {}).items():
+        if key.startswith("container.apparmor.security.beta.kubernetes.io/") and value != "runtime/default" \
+                and not value.startswith("localhost/"):
+            yield f"metadata.annotations[{key}] is {value}"
+
+
+def _selinux(pod: PodTemplate) -> Iterator[str]:
+    contexts = [("spec.securityContext", pod.security)] + [(f"{w}.securityContext", _sc(c)) for w, c in pod.containers()]
+    for where, sc in contexts:
+        options = sc.get("seLinuxOptions") or {}
+        if options.get("type", "") not in SELINUX_TYPES:
+            yield f"{where}.seLinuxOptions.type is {options['type']}"
+        for key in ("user", "role"):
+            if options.get(key):
+                yield f"{where}.seLinuxOptions.{key} is set"
+
+
+def _proc_mount(pod: PodTemplate) -> Iterator[str]:
+    for where, c in pod.containers():
+        if _sc(c).get("procMount", "Default") != "Default":
+            yield f"{where}.securityContext.procMount is {_sc(c)['procMount']}"
+
+
+def _sysctls(pod: PodTemplate) -> Iterator[str]:
+    for sysctl in pod.security.get("sysctls") or []:
+        if sysctl["name"] not in SAFE_SYSCTLS:
+            yield f"spec.securityContext.sysctls names {sysctl['name']}, not a safe sysctl"
+
+
+def _volume_types(pod: PodTemplate) -> Iterator[str]:
+    for volume in pod.spec.get("volumes") or []:
+        other = set(volume) - {"name"} - RESTRICTED_VOLUME_TYPES
+        if other:
+            yield f"spec.volumes[{volume['name']}] is {sorted(other)}"
+
+
+def _privilege_escalation(pod: PodTemplate) -> Iterator[str]:
+    for where, c in pod.containers():
+        if _sc(c).get("allowPrivilegeEscalation") is not False:
+            yield f"{where}.securityContext.allowPrivilegeEscalation is {_sc(c).get('allowPrivilegeEscalation')!r}, not false"
+
+
+def _run_as_non_root(pod: PodTemplate) -> Iterator[str]:
+    for where, c in pod.containers():
+        value = _effective(pod, c, "runAsNonRoot")
+        if value is not True:
+            yield f"{where}: runAsNonRoot is {value!r} (container, else pod securityContext), not true"
+
+
+def _run_as_user(pod: PodTemplate) -> Iterator[str]:
+    if pod.security.get("runAsUser") == 0:
+        yield "spec.securityContext.runAsUser is 0"
+    for where, c in pod.containers():
+        if _sc(c).get("runAsUser") == 0:
+            yield f"{where}.securityContext.runAsUser is 0"
+
+
+def _seccomp(pod: PodTemplate) -> Iterator[str]:
+    for where, c in pod.containers():
+        kind = (_effective(pod, c, "seccompProfile") or {}).get("type")
+        if kind not in ("RuntimeDefault", "Localhost"):
+            yield f"{where}: seccompProfile.type is {kind!r} (container, else pod securityContext), not RuntimeDefault"
+
+
+def _capabilities(pod: PodTemplate) -> Iterator[str]:
+    for where, c in pod.containers():
+        capabilities = _sc(c).get("capabilities") or {}
+        if "ALL" not in (capabilities.get("drop") or []):
+            yield f"{where}.securityContext.capabilities.drop does not name ALL"
+        added = set(capabilities.get("add") or []) - RESTRICTED_ADDABLE_CAPABILITIES
+        if added:
+            yield f"{where}.securityContext.capabilities.add has {sorted(added)}"
+
+
+def _read_only_root(pod: PodTemplate) -> Iterator[str]:
+    for where, c in pod.containers():
+        if _sc(c).get("readOnlyRootFilesystem") is not True:
+            yield f"{where}.securityContext.readOnlyRootFilesystem is not true"
+
+
+def _no_token(pod: PodTemplate) -> Iterator[str]:
+    if pod.spec.get("automountServiceAccountToken") is not False:
+        yield "spec.automountServiceAccountToken is not false"
+    for volume in pod.spec.get("volumes") or []:
+        if any("serviceAccountToken" in s for s in (volume.get("projected") or {}).get("sources", [])):
+            yield f"spec.volumes[{volume['name']}] projects a service-account token"
+
+
+def _non_root_ids(pod: PodTemplate) -> Iterator[str]:
+    for where, c in pod.containers():
+        for key in ("runAsUser", "runAsGroup"):
+            value = _effective(pod, c, key)
+            if not isinstance(value, int) or value <= 0:
+                yield f"{where}: {key} is {value!r} (container, else pod securityContext), not a non-zero id"
+    if pod.security.get("fsGroup") == 0 or 0 in (pod.security.get("supplementalGroups") or []):
+        yield "spec.securityContext: fsGroup or supplementalGroups name group 0"
+
+
+@dataclass(frozen=True)
+class Rule:
+    profile: str                                 # "baseline", "restricted" (the page's), or "hardening"
+    control: str                                 # the control's name on the page
+    fields: str                                  # the fields it checks
+    check: Callable[[PodTemplate], Iterator[str]]
+
+
+C = "spec.{containers,initContainers,ephemeralContainers}[*].securityContext"
+RULES = (
+    Rule("baseline", "HostProcess", f"spec.securityContext.windowsOptions.hostProcess, {C}.windowsOptions.hostProcess",
+         _host_process),
+    Rule("baseline", "Host Namespaces", "spec.hostNetwork, spec.hostPID, spec.hostIPC", _host_namespaces),
+    Rule("baseline", "Privileged Containers", f"{C}.privileged", _privileged),
+    Rule("baseline", "HostPath Volumes", "spec.volumes[*].hostPath", _host_path),
+    Rule("baseline", "Host Ports", "spec.{containers,...}[*].ports[*].hostPort", _host_ports),
+    Rule("baseline", "AppArmor", f"spec.securityContext.appArmorProfile.type, {C}.appArmorProfile.type, "
+         "metadata.annotations['container.apparmor.security.beta.kubernetes.io/*']", _apparmor),
+    Rule("baseline", "SELinux", f"spec.securityContext.seLinuxOptions.{{type,user,role}}, {C}.seLinuxOptions.*",
+         _selinux),
+    Rule("baseline", "/proc Mount Type", f"{C}.procMount", _proc_mount),
+    Rule("baseline", "Sysctls", "spec.securityContext.sysctls[*].name", _sysctls),
+    Rule("restricted", "Volume Types", "spec.volumes[*]", _volume_types),
+    Rule("restricted", "Privilege Escalation", f"{C}.allowPrivilegeEscalation", _privilege_escalation),
+    Rule("restricted", "Running as Non-root", f"spec.securityContext.runAsNonRoot, {C}.runAsNonRoot", _run_as_non_root),
+    Rule("restricted", "Running as Non-root user", f"spec.securityContext.runAsUser, {C}.runAsUser", _run_as_user),
+    # Baseline's Seccomp (not Unconfined) is the weaker form of this one.
+    Rule("restricted", "Seccomp", f"spec.securityContext.seccompProfile.type, {C}.seccompProfile.type", _seccomp),
+    # Baseline's Capabilities (add only the runtime's defaults) is the weaker form of this one.
+    Rule("restricted", "Capabilities", f"{C}.capabilities.drop, {C}.capabilities.add", _capabilities),
+    Rule("hardening", "Read-only root filesystem", f"{C}.readOnlyRootFilesystem", _read_only_root),
+    Rule("hardening", "No service-account token", "spec.automountServiceAccountToken, spec.volumes[*].projected",
+         _no_token),
+    Rule("hardening", "Non-root user and groups", f"spec.securityContext.{{runAsUser,runAsGroup,fsGroup,"
+         f"supplementalGroups}}, {C}.{{runAsUser,runAsGroup}}", _non_root_ids),
+)
+
+
+def pss_findings(pod: PodTemplate) -> list[tuple[Rule, str]]:
+    return [(rule, problem) for rule in RULES for problem in rule.check(pod)]
+
+
+def _show(pod: PodTemplate, findings: list[tuple[Rule, str]]) -> list[str]:
+    return [f"{pod.where}: {rule.profile} '{rule.control}' ({rule.fields}): {problem}" for rule, problem in findings]
+
+
+def pod_templates(by_file: Mapping[str, list[dict]]) -> Iterator[PodTemplate]:
+    """Every pod template of the manifests: a Pod's own, a workload's, each replicatedJob's of a
+    JobSet. A kind it does not know fails, so a new workload kind is not left unchecked."""
+    for name, docs in by_file.items():
+        for doc in docs:
+            kind, spec = doc["kind"], doc.get("spec", {})
+            label = f"{name} {kind}/{doc['metadata']['name']}"
+            if kind in ("Job", "Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "ReplicationController"):
+                templates = [("spec.template", spec["template"])]
+            elif kind == "CronJob":
+                templates = [("spec.jobTemplate.spec.template", spec["jobTemplate"]["spec"]["template"])]
+            elif kind == "JobSet":
+                templates = [(f"spec.replicatedJobs[{r['name']}].template.spec.template", r["template"]["spec"]["template"])
+                             for r in spec["replicatedJobs"]]
+            elif kind == "Pod":
+                templates = [("", {"metadata": doc["metadata"], "spec": spec})]
+            else:
+                assert kind in NO_POD_TEMPLATE, f"{label}: teach pod_templates() where a {kind} keeps its pod templates"
+                continue
+            for path, template in templates:
+                yield PodTemplate(f"{label} {path}", template.get("metadata") or {}, template["spec"])
+
+
+def test_every_pod_template_passes_the_restricted_profile(m: Manifests):
+    templates = list(pod_templates(m.by_file))
+    assert sorted(t.where.split()[0] for t in templates) == [
+        "job/job.yaml", "jobset/jobset.yaml", "recoverable/coordinator.yaml", "recoverable/job.yaml"]
+    problems = [line for t in templates for line in _show(t, pss_findings(t))]
+    assert not problems, "\n".join(problems)
+
+
+def _first_container_sc(spec: dict) -> dict:
+    return spec["containers"][0].setdefault("securityContext", {})
+
+
+#: One way to break each rule, on an otherwise compliant pod (the committed Job's).
+VIOLATIONS: list[tuple[str, Callable[[dict], Any]]] = [
+    ("HostProcess", lambda s: s["securityContext"].update(windowsOptions={"hostProcess": True})),
+    ("Host Namespaces", lambda s: s.update(hostNetwork=True)),
+    ("Host Namespaces", lambda s: s.update(hostIPC=True)),
+    ("Privileged Containers", lambda s: _first_container_sc(s).update(privileged=True)),
+    ("HostPath Volumes", lambda s: s["volumes"].append({"name": "host", "hostPath": {"path": "/"}})),
+    ("Host Ports", lambda s: s["containers"][0]["ports"][0].update(hostPort=13333)),
+    ("AppArmor", lambda s: _first_container_sc(s).update(appArmorProfile={"type": "Unconfined"})),
+    ("SELinux", lambda s: s["securityContext"].update(seLinuxOptions={"type": "spc_t"})),
+    ("/proc Mount Type", lambda s: _first_container_sc(s).update(procMount="Unmasked")),
+    ("Sysctls", lambda s: s["securityContext"].setdefault("sysctls", []).append({"name": "kernel.msgmax", "value": "1"})),
+    ("Volume Types", lambda s: s["volumes"].append({"name": "nfs", "nfs": {"server": "nfs", "path": "/"}})),
+    ("Privilege Escalation", lambda s: _first_container_sc(s).pop("allowPrivilegeEscalation")),
+    ("Running as Non-root", lambda s: s["securityContext"].pop("runAsNonRoot")),
+    ("Running as Non-root", lambda s: _first_container_sc(s).update(runAsNonRoot=False)),
+    ("Running as Non-root user", lambda s: _first_container_sc(s).update(runAsUser=0)),
+    ("Seccomp", lambda s: s["securityContext"].pop("seccompProfile")),
+    ("Seccomp", lambda s: _first_container_sc(s).update(seccompProfile={"type": "Unconfined"})),
+    ("Capabilities", lambda s: _first_container_sc(s)["capabilities"].update(drop=["NET_RAW"])),
+    ("Capabilities", lambda s: _first_container_sc(s)["capabilities"].update(add=["SYS_ADMIN"])),
+    ("Read-only root filesystem", lambda s: _first_container_sc(s).pop("readOnlyRootFilesystem")),
+    ("No service-account token", lambda s: s.pop("automountServiceAccountToken")),
+    ("Non-root user and groups", lambda s: s["securityContext"].pop("runAsGroup")),
+    ("Non-root user and groups", lambda s: s["securityContext"].update(supplementalGroups=[0])),
+]
+
+
+@pytest.mark.parametrize("control, mutate", VIOLATIONS, ids=[f"{c}-{i}" for i, (c, _) in enumerate(VIOLATIONS)])
+def test_the_checker_finds_each_violation(control: str, mutate: Callable[[dict], Any]):
+    spec = copy.deepcopy(Manifests(SETS["committed"]).job["spec"]["template"]["spec"])
+    assert not pss_findings(PodTemplate("compliant", {}, spec))
+    mutate(spec)
+    found = {rule.control for rule, _ in pss_findings(PodTemplate("mutated", {}, spec))}
+    assert control in found, found
+
+
+def test_every_rule_is_shown_to_fail():
+    assert {rule.control for rule in RULES} == {control for control, _ in VIOLATIONS}
+
+
+def test_a_pod_that_says_nothing_fails_and_an_init_container_is_checked():
+    """What the API server fills in for a pod that sets nothing is what the issue found missing; an
+    initContainer is held to the same rules as the containers."""
+    bare = PodTemplate("bare", {}, {"containers": [{"name": "c", "image": "x"}]})
+    assert {rule.control for rule, _ in pss_findings(bare)} == {
+        "Privilege Escalation", "Running as Non-root", "Seccomp", "Capabilities", "Read-only root filesystem",
+        "No service-account token", "Non-root user and groups"}
+    spec = copy.deepcopy(Manifests(SETS["committed"]).job["spec"]["template"]["spec"])
+    spec["initContainers"] = [{"name": "fetch", "image": "x"}]
+    problems = [p for _, p in pss_findings(PodTemplate("init", {}, spec))]
+    assert problems and all(p.startswith("initContainers[fetch]") for p in problems), problems
+
+
+def test_pods_run_as_the_images_numeric_user_with_a_volume_for_all_they_write(m: Manifests):
+    """The image's USER is numeric and non-root (runAsNonRoot can only verify a numeric one), the
+    pods run as it, and under the read-only root filesystem every path the program writes is an
+    emptyDir: /tmp everywhere; the workers' /dev/shm in memory (NCCL) and the user's home (CuPy's
+    kernel cache, CUDA's JIT cache), sized so that none can grow without bound."""
+    dockerfile = open(os.path.join(DEPLOY, "docker", "Dockerfile"), encoding="utf-8").read()
+    user = re.search(r"^USER (\d+):(\d+)$", dockerfile, re.M)
+    account = re.search(r"^RUN useradd --uid (\d+) --user-group --create-home (\S+)$", dockerfile, re.M)
+    assert user and account, "the Dockerfile's USER uid:gid and its useradd line"
+    uid, gid = int(user.group(1)), int(user.group(2))
+    assert uid > 0 and gid > 0 and int(account.group(1)) == uid
+    assert (generate.RUN_AS_USER, generate.RUN_AS_GROUP, generate.HOME_DIR) == (uid, gid, f"/home/{account.group(2)}")
+    for pod in pod_templates(m.by_file):
+        assert (pod.security["runAsUser"], pod.security["runAsGroup"]) == (uid, gid), pod.where
+        volumes = {v["name"]: v for v in pod.spec["volumes"]}
+        for where, c in pod.containers():
+            assert _sc(c)["readOnlyRootFilesystem"] is True
+            writable = {mount["mountPath"]: volumes[mount["name"]] for mount in c["volumeMounts"]
+                        if not mount.get("readOnly")}
+            needed = {"/tmp"} | ({"/dev/shm", generate.HOME_DIR} if c["name"] == "worker" else set())
+            assert needed <= set(writable), (pod.where, where, sorted(writable))
+            for path in needed:
+                assert writable[path]["emptyDir"]["sizeLimit"], (pod.where, path)
+            if c["name"] == "worker":
+                assert writable["/dev/shm"]["emptyDir"]["medium"] == "Memory"
+                assert c["resources"]["limits"]["memory"], "a memory emptyDir counts against the memory limit"
+
+
+# --- NetworkPolicy -------------------------------------------------------------------------------------
+# NetworkPolicy's meaning (https://kubernetes.io/docs/concepts/services-networking/network-policies/):
+# a pod some policy selects for Ingress accepts only connections from its own node and those some
+# rule admits; a rule admits when one of its `from` peers matches (podSelector alone: pods of the
+# policy's namespace; namespaceSelector alone: every pod of those namespaces; both: pods matching
+# both; no `from`: everyone) and one of its ports does (none: every port; port..endPort a range).
+
+@dataclass(frozen=True)
+class Peer:
+    """Who opens a connection: a pod's labels and namespace."""
+
+    labels: Mapping[str, str]
+    namespace: str
+
+
+def _selects(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, "matchExpressions are not evaluated here"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def _peer_matches(source: Mapping[str, Any], peer: Peer, namespace: str) -> bool:
+    assert "ipBlock" not in source, "ipBlock is not evaluated here"
+    if "namespaceSelector" in source:
+        in_namespace = _selects(source["namespaceSelector"], {generate.NAMESPACE_NAME_LABEL: peer.namespace})
+    else:
+        in_namespace = peer.namespace == namespace
+    return in_namespace and ("podSelector" not in source or _selects(source["podSelector"], peer.labels))
+
+
+def _port_matches(entry: Mapping[str, Any], port: int, named: Mapping[str, int]) -> bool:
+    if entry.get("protocol", "TCP") != "TCP":
+        return False
+    first = entry.get("port")
+    if first is None:
+        return True
+    if isinstance(first, str):
+        if first not in named:
+            return False
+        first = named[first]
+    return first <= port <= entry.get("endPort", first)
+
+
+def admits(policy: Mapping[str, Any], namespace: str, named: Mapping[str, int], peer: Peer, port: int) -> bool:
+    """Whether ``policy`` (which selects the destination pod) admits a TCP connection from ``peer``
+    to ``port`` of a pod in ``namespace`` whose container ports are ``named``."""
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    for rule in policy["spec"].get("ingress") or []:
+        sources = rule.get("from") or []
+        ports = rule.get("ports") or []
+        if (not sources or any(_peer_matches(s, peer, namespace) for s in sources)) and \
+                (not ports or any(_port_matches(p, port, named) for p in ports)):
+            return True
+    return False
+
+
+def _sysctl_range(pod: PodTemplate) -> tuple[int, int] | None:
+    for sysctl in pod.security.get("sysctls") or []:
+        if sysctl["name"] == "net.ipv4.ip_local_port_range":
+            first, last = sysctl["value"].split()
+            return int(first), int(last)
+    return None
+
+
+def policy_problems(policy: Mapping[str, Any], pods: list[PodTemplate], monitoring: str) -> list[str]:
+    """Who reaches which port of each pod of a layout, against who should: the job's own pods the
+    coordinator, relay and data-plane ports; the monitoring namespace the metrics port; nobody the
+    health port (kubelet probes it from the node, which NetworkPolicy does not filter); and nobody
+    else anything: not a pod of another job, not an unlabelled pod, not the job's labels in another
+    namespace."""
+    namespace = "team-a"
+    problems = []
+    first, last = generate.DATA_PORTS
+    for pod in pods:
+        labels = {**pod.metadata["labels"], "batch.kubernetes.io/job-completion-index": "1"}
+        if not _selects(policy["spec"]["podSelector"], labels):
+            problems.append(f"{pod.where}: not selected by the NetworkPolicy")
+            continue
+        workers = [t for t in pods if t.spec.get("restartPolicy") == "Never"] or [pod]
+        peers = {
+            "job": Peer({**workers[0].metadata["labels"], "batch.kubernetes.io/job-completion-index": "0"}, namespace),
+            "other-job": Peer({**pod.metadata["labels"], "app.kubernetes.io/instance": "someone-else"}, namespace),
+            "unlabelled": Peer({}, namespace),
+            "elsewhere": Peer(pod.metadata["labels"], "team-b"),
+            "monitoring": Peer({"app.kubernetes.io/name": "prometheus"}, monitoring),
+        }
+        for _where, c in pod.containers():
+            named = {p["name"]: p["containerPort"] for p in c.get("ports") or []}
+            expected = {port: {"health": set(), "metrics": {"monitoring"}}.get(name, {"job"}) for name, port in named.items()}
+            if _sysctl_range(pod) is not None:
+                if _sysctl_range(pod) != generate.DATA_PORTS:
+                    problems.append(f"{pod.where}: the pods' ephemeral range {_sysctl_range(pod)} is not {generate.DATA_PORTS}")
+                expected.update({first: {"job"}, (first + last) // 2: {"job"}, last: {"job"}, first - 1: set(),
+                                 last + 1: set()})
+            expected.setdefault(generate.RELAY_PORT, {"job"})
+            for port, who in sorted(expected.items()):
+                got = {name for name, peer in peers.items() if admits(policy, namespace, named, peer, port)}
+                if got != who:
+                    problems.append(f"{pod.where}: port {port} is reached by {sorted(got)}, not {sorted(who)}")
+    return problems
+
+
+MONITORING = {"committed": generate.DEFAULT_MONITORING_NAMESPACE, "custom": "observability"}
+
+
+@pytest.mark.parametrize("which", sorted(SETS))
+@pytest.mark.parametrize("folder", LAYOUTS)
+def test_each_layout_has_a_network_policy_that_admits_the_job_and_its_monitoring_only(which: str, folder: str):
+    m = Manifests(SETS[which])
+    policy = m.network_policies[folder]
+    assert (policy["apiVersion"], policy["kind"], policy["spec"]["policyTypes"]) == (
+        "networking.k8s.io/v1", "NetworkPolicy", ["Ingress"])
+    pods = list(pod_templates({k: v for k, v in m.by_file.items() if k.startswith(folder + "/")}))
+    assert pods
+    problems = policy_problems(policy, pods, MONITORING[which])
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda p: p["spec"]["ingress"][0].pop("from"),                                   # everyone reaches the job's ports
+    lambda p: p["spec"]["ingress"][0].pop("ports"),                                  # the job's pods reach health too
+    lambda p: p["spec"]["ingress"][0]["ports"][2].pop("endPort"),                    # the data range is one port
+    lambda p: p["spec"]["ingress"][1]["from"][0]["namespaceSelector"].update(matchLabels={}),  # every namespace
+    lambda p: p["spec"]["podSelector"]["matchLabels"].update({"app.kubernetes.io/component": "x"}),  # selects nobody
+    lambda p: p["spec"]["ingress"].pop(0),                                           # the coordinator is cut off
+], ids=["no-from", "no-ports", "no-endPort", "any-namespace", "selects-nobody", "no-job-rule"])
+def test_the_network_policy_check_can_fail(mutate: Callable[[dict], Any]):
+    m = Manifests(SETS["committed"])
+    policy = copy.deepcopy(m.network_policies["job"])
+    mutate(policy)
+    pods = list(pod_templates({k: v for k, v in m.by_file.items() if k.startswith("job/")}))
+    assert policy_problems(policy, pods, MONITORING["committed"])
+
+
+# --- a node drain in each layout ---------------------------------------------------------------------
+
+def test_a_node_drain_in_each_layout(m: Manifests):
+    """What deploy/README.md says a drain (pod condition DisruptionTarget) does, as the Job
+    controller decides it: the first matching podFailurePolicy rule (tests/support/k8s_jobs.py)."""
+    disrupted = (("DisruptionTarget", "True"),)
+    sigkill, sigterm = 128 + 9, 128 + 15
+    # job/: the drained pod is recreated, not counted, whatever it ended with: SIGKILL when the
+    # grace period ends, or exit 3 when it saw a peer on the same node go first ...
+    for code in (sigkill, sigterm, train.EXIT_PEER_FAILED, train.EXIT_CONFIG_ERROR, 1):
+        assert k8s_jobs.matching_rule(m.job, "worker", code, disrupted)[0] == "Ignore", code
+    # ... but once the ranks have met, the others exit 3, which fails the Job.
+    assert k8s_jobs.matching_rule(m.job, "worker", train.EXIT_PEER_FAILED)[0] == "FailJob"
+    # jobset/: no rule names a drain, so it is counted; backoffLimit 0 fails the child Job
+    # (BackoffLimitExceeded), which no FailJobSet rule names: the JobSet recreates every pod, one
+    # of its maxRestarts.
+    child = {"spec": m.rjob["template"]["spec"]}
+    assert k8s_jobs.matching_rule(child, "worker", sigkill, disrupted) == ("Count", None)
+    assert child["spec"]["backoffLimit"] == 0
+    final = {r for rule in m.jobset["spec"]["failurePolicy"]["rules"] if rule["action"] == "FailJobSet"
+             for r in rule.get("onJobFailureReasons", [])}
+    assert "BackoffLimitExceeded" not in final and m.jobset["spec"]["failurePolicy"]["maxRestarts"] >= 1
+    # recoverable/: recreated, not counted, while the others rebuild(); the coordinator pod is a
+    # Deployment's, recreated by it.
+    for code in (sigkill, train.EXIT_PEER_FAILED):
+        assert k8s_jobs.matching_rule(m.recoverable_job, "worker", code, disrupted)[0] == "Ignore"
+    readme = open(os.path.join(DEPLOY, "README.md"), encoding="utf-8").read()
+    (row,) = [line for line in readme.splitlines() if line.startswith("| — | preemption, node drain")]
+    assert "`Ignore`" in row and "`FailJob`" in row and "maxRestarts" in row, row
+    # The Job's failure message the README quotes names the FailJob rule by its position.
+    (fail_job,) = [i for i, r in enumerate(m.job["spec"]["podFailurePolicy"]["rules"]) if r["action"] == "FailJob"]
+    assert f"matching FailJob rule at index {fail_job}`" in " ".join(readme.split())
+
+
+# --- the program under a read-only root filesystem -----------------------------------------------------
+
+_READ_ONLY_POD = r"""
+set -eu
+# Everything the program could write outside its volumes becomes read-only, as the root filesystem
+# of a container with readOnlyRootFilesystem: the root mount and any mount holding the code.
+for mp in $RO_MOUNTS; do mount -o remount,bind,ro "$mp"; done
+# The manifest's emptyDir volumes, fresh and writable; a missing mount point is made on a tmpfs
+# laid over its parent, itself read-only again afterwards.
+for path in $VOLUMES; do
+  if [ ! -d "$path" ]; then
+    parent=$(dirname "$path"); mount -t tmpfs tmpfs "$parent"; mkdir -p "$path"; mount -o remount,ro "$parent"
+  fi
+  mount -t tmpfs tmpfs "$path"
+done
+if touch "$PROBE" 2>/dev/null; then echo "the root filesystem is writable" >&2; exit 97; fi
+pids=""
+for rank in 0 1; do
+  GRIDCOMM_RANK=$rank GRIDCOMM_HEALTH_PORT=$(eval echo \$HEALTH_$rank) "$PYTHON" "$TRAIN" &
+  pids="$pids $!"
+done
+status=0
+for pid in $pids; do wait "$pid" || status=$?; done
+exit $status
+"""
+
+
+@pytest.mark.timeout(120)
+def test_train_py_runs_with_a_read_only_root_and_only_the_manifests_volumes_writable():
+    """Two ranks of train.py (host backend, on one host, so its shared memory goes through /dev/shm)
+    in a mount namespace whose root is read-only and whose only writable paths are the workers'
+    emptyDir mounts: nothing the program does needs more (root only: mount namespaces)."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare(1) for a mount namespace")
+    m = Manifests(SETS["committed"])
+    pod_spec = m.job["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod_spec["volumes"]}
+    empty_dirs = sorted(mount["mountPath"] for mount in _worker(pod_spec)["volumeMounts"]
+                        if "emptyDir" in volumes[mount["name"]])
+    assert empty_dirs == sorted(["/tmp", "/dev/shm", generate.HOME_DIR])
+    code = {os.path.realpath(p) for p in (ROOT, sys.prefix, sys.base_prefix)}
+    if any(c == v or c.startswith(v + "/") for c in code for v in empty_dirs):
+        pytest.skip(f"the checkout or Python lies under a volume's mount path ({sorted(code)})")
+    mounts = [line.split()[4] for line in open("/proc/self/mountinfo", encoding="utf-8")]
+    holding = {mp for mp in mounts if any(c == mp or c.startswith(mp.rstrip("/") + "/") for c in code)}
+    env = {**_without_gridcomm(os.environ), "PYTHONPATH": ROOT, "HOME": generate.HOME_DIR, "PYTHON": sys.executable,
+           "TRAIN": os.path.join(DEPLOY, "docker", "train.py"), "RO_MOUNTS": " ".join(sorted({"/"} | holding)),
+           "VOLUMES": " ".join(empty_dirs), "PROBE": os.path.join(ROOT, ".read-only-probe"),
+           "GRIDCOMM_WORLD_SIZE": "2", "GRIDCOMM_BACKEND": "host", "GRIDCOMM_HOST": "127.0.0.1",
+           "GRIDCOMM_BIND": "127.0.0.1", "GRIDCOMM_PORT": str(free_port()), "GRIDCOMM_TOKEN": "t" * 32,
+           "GRIDCOMM_TIMEOUT_S": "60", "HEALTH_0": str(free_port()), "HEALTH_1": str(free_port()),
+           "TRAIN_STEPS": "3", "TRAIN_ELEMENTS": str(1 << 20)}
+    proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", _READ_ONLY_POD], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=100)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # its group: the shell and both ranks
+            proc.wait(timeout=10)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
+    assert out.count("correct") == 2, out
+    assert not os.path.exists(env["PROBE"])

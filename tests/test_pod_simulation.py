@@ -659,7 +659,7 @@ def test_pod_killed_mid_job_others_fail_named_and_turn_not_serving(
     container = job.m.container["name"]
     assert pod_failure_action(job.m.job, container, codes[victim]) == ("Count", None)
     for i in survivors:
-        assert pod_failure_action(job.m.job, container, codes[i]) == ("FailJob", 0)
+        assert pod_failure_action(job.m.job, container, codes[i]) == ("FailJob", 1)
     assert job_condition(job.m.job, container, codes).startswith("Failed (PodFailurePolicy: pod ")
     # Readiness: once out of service, never back (no recovery here). Liveness: SERVING from the
     # kill until the survivor's process is on its way out (what a stopping server answers in its
@@ -698,5 +698,5 @@ def test_pod_with_another_token_exits_2_and_fails_the_job(sim: Callable[..., Sim
         assert answers == want, f"pod 0 {service!r} before the rendezvous: {summarize(job.prober.checks(0, service))}"
     assert re.search(r"configuration error: .*token", job.pods[1].proc.stderr(), re.I), job.report()
     container = job.m.container["name"]
-    assert pod_failure_action(job.m.job, container, codes[1]) == ("FailJob", 0)
-    assert job_condition(job.m.job, container, codes).startswith("Failed (PodFailurePolicy: pod 1 matched rule 0)")
+    assert pod_failure_action(job.m.job, container, codes[1]) == ("FailJob", 1)
+    assert job_condition(job.m.job, container, codes).startswith("Failed (PodFailurePolicy: pod 1 matched rule 1)")

@@ -17,7 +17,17 @@ Secret is made with ``kubectl create secret`` (deploy/README.md), never from a p
 Minimum versions: Kubernetes 1.29 (the Job's ``podReplacementPolicy`` and ``podFailurePolicy``;
 tests/test_deploy.py validates against the 1.29 schemas) and JobSet v0.7.0 (``restartStrategy:
 BlockingRecreate``); the recoverable variant's Job needs 1.29 too (``backoffLimitPerIndex``), its
-other files 1.24 (``MIN_KUBERNETES_RECOVERABLE``).
+NetworkPolicy 1.25 (``endPort``), its other files 1.24 (``MIN_KUBERNETES_RECOVERABLE``).
+
+Every pod template passes the Pod Security Standards' "restricted" profile (and runs with a
+read-only root filesystem, no service-account token and non-root groups): the pod runs as the
+image's numeric user (``RUN_AS_USER``), with the runtime's default seccomp profile, no capability
+and no privilege escalation; what the program writes goes to ``emptyDir`` volumes (``/tmp``, the
+image user's home for CuPy's and CUDA's caches, ``/dev/shm`` in memory for NCCL). Each layout has a NetworkPolicy: the job's own pods reach the
+coordinator, relay and data-plane ports (the data plane listens on ephemeral ports, so the pods pin
+their ephemeral range with the safe sysctl ``net.ipv4.ip_local_port_range``, ``DATA_PORTS``), the
+monitoring namespace (``--monitoring-namespace``) reaches the metrics port, and kubelet's probes
+come from the node, which NetworkPolicy does not filter.
 
 Why a generator and not a kustomization: the world size has to appear three times (completions,
 parallelism, GRIDCOMM_WORLD_SIZE) and the job name is part of composed strings (rank 0's address
@@ -49,16 +59,31 @@ RELAY_PORT = 13336
 #: Where the token Secret is mounted, and the file gridcomm reads (GRIDCOMM_TOKEN_FILE).
 TOKEN_DIR = "/var/run/secrets/gridcomm"
 TOKEN_KEY = "token"
+#: The pods' ephemeral port range, pinned by the sysctl net.ipv4.ip_local_port_range (the Linux
+#: default): the host backend's data plane, a relay without a fixed address and NCCL's bootstrap and
+#: socket transport listen on ports from it, and the NetworkPolicy admits the job's pods to it.
+DATA_PORTS = (32768, 60999)
+#: The image's user and group (deploy/docker/Dockerfile's USER), and its home, which an emptyDir
+#: makes writable under the read-only root filesystem.
+RUN_AS_USER = 1000
+RUN_AS_GROUP = 1000
+HOME_DIR = "/home/gridcomm"
+#: The namespace whose pods may scrape the metrics port (--monitoring-namespace), selected by the
+#: label the API server puts on every namespace.
+DEFAULT_MONITORING_NAMESPACE = "monitoring"
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 #: The longest a whole Job may run, pending pods included (--active-deadline-s).
 DEFAULT_ACTIVE_DEADLINE_S = 7 * 24 * 3600
 #: Files written by --out, and what each holds.
 LAYOUT = {
     "job/service.yaml": "service", "job/job.yaml": "job", "job/metrics-service.yaml": "job_metrics",
+    "job/network-policy.yaml": "network_policy",
     "jobset/jobset.yaml": "jobset", "jobset/metrics-service.yaml": "jobset_metrics",
+    "jobset/network-policy.yaml": "network_policy",
     "monitoring/servicemonitor.yaml": "servicemonitor",
     "recoverable/coordinator.yaml": "coordinator", "recoverable/coordinator-service.yaml": "coordinator_service",
     "recoverable/checkpoints.yaml": "checkpoints", "recoverable/job.yaml": "recoverable_job",
-    "recoverable/metrics-service.yaml": "recoverable_metrics",
+    "recoverable/metrics-service.yaml": "recoverable_metrics", "recoverable/network-policy.yaml": "network_policy",
 }
 #: The oldest releases the manifests work on (tests/test_deploy.py validates at MIN_KUBERNETES).
 MIN_KUBERNETES = "1.29"
@@ -66,11 +91,12 @@ MIN_JOBSET = "v0.7.0"
 #: The oldest release each file of recoverable/ works on, and why (the comment in each file says
 #: the same). The Job needs backoffLimitPerIndex, maxFailedIndexes and podReplacementPolicy, beta
 #: and on by default from 1.29 (alpha, off, in 1.28); the coordinator's gRPC probes are on by
-#: default from 1.24 (kubernetes-validate's oldest schemas are 1.25's, so tests check at 1.25).
+#: default from 1.24 (kubernetes-validate's oldest schemas are 1.25's, so tests check at 1.25); the
+#: NetworkPolicy's port range (endPort) is GA from 1.25.
 MIN_KUBERNETES_RECOVERABLE = {
     "recoverable/job.yaml": "1.29", "recoverable/coordinator.yaml": "1.24",
     "recoverable/coordinator-service.yaml": "1.24", "recoverable/checkpoints.yaml": "1.24",
-    "recoverable/metrics-service.yaml": "1.24",
+    "recoverable/metrics-service.yaml": "1.24", "recoverable/network-policy.yaml": "1.25",
 }
 #: Pod failures an index of the recoverable Job may have before it fails (and, with
 #: maxFailedIndexes 0, the Job with it).
@@ -123,6 +149,10 @@ metadata:
     app.kubernetes.io/instance: $name
     app.kubernetes.io/component: metrics
 spec:
+  # Why: after a failure or at the end of the job, the process keeps /metrics up for
+  # GRIDCOMM_METRICS_LINGER_S while its pod is terminating or not ready; the last scrapes must
+  # still reach it to see the failure.
+  publishNotReadyAddresses: true
   selector:
     app.kubernetes.io/name: gridcomm
     app.kubernetes.io/instance: $name$selector
@@ -171,15 +201,43 @@ spec:
   parallelism: $world_size
 """
 
-# Pieces every pod template shares (the embedded workers' and the coordinator's).
+# Pieces every pod template shares (the embedded workers' and the coordinator's). They pass the
+# Pod Security Standards' "restricted" profile (tests/test_deploy.py checks each of its controls).
 _POD_SECURITY = """\
+      # Nothing in the pod talks to the Kubernetes API: no service-account token is mounted.
+      automountServiceAccountToken: false
       securityContext:
+        # The image's numeric user and group (deploy/docker/Dockerfile's USER), never root.
         runAsNonRoot: true
-        runAsUser: 1000
-        runAsGroup: 1000
+        runAsUser: $run_as_user
+        runAsGroup: $run_as_group
         # The token file (mode 0440) belongs to this group, so the container's user can read it.
-        fsGroup: 1000
+        fsGroup: $run_as_group
+        seccompProfile:
+          type: RuntimeDefault
 """
+
+# The workers' data plane (host backend, NCCL's bootstrap and sockets, a relay without a fixed
+# port) listens on ephemeral ports; pinning their range (Linux's default, a safe sysctl) keeps the
+# NetworkPolicy's data-plane range true whatever the node's default.
+_DATA_PORT_SYSCTL = """\
+        # The ephemeral ports the data plane listens on (Linux's default range, pinned): the
+        # NetworkPolicy admits the job's own pods to them.
+        sysctls:
+          - name: net.ipv4.ip_local_port_range
+            value: "$data_port_first $data_port_last"
+"""
+
+# Writable scratch under the read-only root filesystem: /tmp (Python's tempfile).
+_TMP_MOUNT = """\
+            - name: tmp
+              mountPath: /tmp"""
+
+_TMP_VOLUME = """\
+        # The root filesystem is read-only: what the program writes goes to volumes.
+        - name: tmp
+          emptyDir:
+            sizeLimit: 1Gi"""
 
 # gRPC probes on the plaintext health port, and the container's privileges.
 _PROBES = """\
@@ -205,6 +263,7 @@ _PROBES = """\
             failureThreshold: 2
           securityContext:
             allowPrivilegeEscalation: false
+            readOnlyRootFilesystem: true
             capabilities:
               drop: ["ALL"]
 """
@@ -226,7 +285,7 @@ POD = Template("""\
       restartPolicy: Never
       enableServiceLinks: false
       terminationGracePeriodSeconds: 30
-""" + _POD_SECURITY + """      tolerations:
+""" + _POD_SECURITY + _DATA_PORT_SYSCTL + """      tolerations:
         - key: nvidia.com/gpu
           operator: Exists
           effect: NoSchedule
@@ -267,13 +326,22 @@ $job_id_env$extra_env
           # The startup probe gives the health port 120 s from container start to answer; train.py
           # starts it first thing (gridcomm.start_health_server()), before any slow loading.
 """ + _PROBES + """          volumeMounts:
+""" + _TMP_MOUNT + """
+            - name: home
+              mountPath: $home_dir
             - name: dshm
               mountPath: /dev/shm
             - name: token
               mountPath: $token_dir
               readOnly: true$extra_mounts
       volumes:
-        # NCCL moves data between processes through /dev/shm; the runtime's 64 MiB default is too small.
+""" + _TMP_VOLUME + """
+        # The image user's home: CuPy keeps its compiled kernels there (~/.cupy), CUDA its JIT cache (~/.nv).
+        - name: home
+          emptyDir:
+            sizeLimit: 1Gi
+        # NCCL moves data between processes through /dev/shm (a memory emptyDir, counted in the
+        # container's memory limit); the runtime's 64 MiB default is too small.
         - name: dshm
           emptyDir:
             medium: Memory
@@ -297,6 +365,15 @@ JOB = Template("""\
   ttlSecondsAfterFinished: 86400
   podFailurePolicy:
     rules:
+      # Preemption, node drain, eviction: not the program's fault; the pod is recreated, not counted.
+      # First, because the first matching rule wins: a drained pod that exited $exit_peer before it
+      # was stopped (it saw a peer on the same node go first) is recreated too. Once the ranks have
+      # met, the ranks that were not disrupted exit $exit_peer and fail the Job by the next rule
+      # (deploy/README.md, "What a failure looks like").
+      - action: Ignore
+        onPodConditions:
+          - type: DisruptionTarget
+            status: "True"
       # $exit_config: a configuration error; $exit_peer: another rank failed or the ranks never met.
       # Retrying this pod alone cannot fix either.
       - action: FailJob
@@ -304,11 +381,6 @@ JOB = Template("""\
           containerName: worker
           operator: In
           values: [$exit_config, $exit_peer]
-      # Preemption, node drain, eviction: not the program's fault; the pod is recreated.
-      - action: Ignore
-        onPodConditions:
-          - type: DisruptionTarget
-            status: "True"
   template:
 $pod""")
 
@@ -365,6 +437,55 @@ spec:
                   values: [$exit_config]
           template:
 $pod""")
+
+# One per layout (job/, jobset/, recoverable/), each folder being applied on its own. It selects
+# every pod of the job (workers, and the recoverable variant's coordinator pod) by the labels all of
+# them carry; a pod of another job, or of another name, matches neither the policy nor its sources.
+NETWORK_POLICY = Template("""\
+---
+# Who may open connections to the pods of $name. The job's own pods: the coordinator, relay and
+# data-plane ports (the data plane listens on ephemeral ports, which the pods' sysctl pins to
+# $data_port_first-$data_port_last). Pods of the namespace $monitoring_namespace: the metrics port.
+# Nobody else, other pods of this namespace included. kubelet's probes of the health port come from
+# the pod's node, which NetworkPolicy always admits. Egress is not limited. Needs a network plugin
+# that enforces NetworkPolicy and supports endPort (one that ignores it admits only the first port).
+# Needs Kubernetes $min_policy or newer.
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata:
+  name: $name
+  labels:
+    app.kubernetes.io/name: gridcomm
+    app.kubernetes.io/instance: $name
+spec:
+  podSelector:
+    matchLabels:
+      app.kubernetes.io/name: gridcomm
+      app.kubernetes.io/instance: $name
+  policyTypes: ["Ingress"]
+  ingress:
+    - from:
+        - podSelector:
+            matchLabels:
+              app.kubernetes.io/name: gridcomm
+              app.kubernetes.io/instance: $name
+      ports:
+        - protocol: TCP
+          port: $coordinator_port
+        - protocol: TCP
+          port: $relay_port
+        - protocol: TCP
+          port: $data_port_first
+          endPort: $data_port_last
+    # Prometheus: the namespace is selected by the label the API server sets on every namespace.
+    - from:
+        - namespaceSelector:
+            matchLabels:
+              $namespace_label: $monitoring_namespace
+      ports:
+        - protocol: TCP
+          port: $metrics_port
+""")
 
 # --- the recoverable variant (recoverable/): coordinator pod + Indexed Job that replaces lost pods ---
 
@@ -435,10 +556,12 @@ spec:
             limits:
               memory: 1Gi
 """ + _PROBES + """          volumeMounts:
+""" + _TMP_MOUNT + """
             - name: token
               mountPath: $token_dir
               readOnly: true
       volumes:
+""" + _TMP_VOLUME + """
 """ + _TOKEN_VOLUME + """
 """)
 
@@ -636,6 +759,9 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit(f"--backend {args.backend!r} must be one of {', '.join(BACKENDS)}.")
     if args.active_deadline_s < 1:
         raise SystemExit(f"--active-deadline-s {args.active_deadline_s} must be at least 1.")
+    if not _DNS_LABEL.match(args.monitoring_namespace):
+        raise SystemExit(f"--monitoring-namespace {args.monitoring_namespace!r} must be a namespace name: lower-case "
+                         "letters, digits and '-', starting with a letter, e.g. 'monitoring'.")
 
 
 def render(args: argparse.Namespace) -> dict[str, str]:
@@ -650,6 +776,10 @@ def render(args: argparse.Namespace) -> dict[str, str]:
         "backoff_per_index": BACKOFF_LIMIT_PER_INDEX, "min_job": MIN_KUBERNETES_RECOVERABLE["recoverable/job.yaml"],
         "min_coordinator": MIN_KUBERNETES_RECOVERABLE["recoverable/coordinator.yaml"],
         "min_service": MIN_KUBERNETES_RECOVERABLE["recoverable/coordinator-service.yaml"],
+        "min_policy": MIN_KUBERNETES_RECOVERABLE["recoverable/network-policy.yaml"],
+        "run_as_user": RUN_AS_USER, "run_as_group": RUN_AS_GROUP, "home_dir": HOME_DIR,
+        "data_port_first": DATA_PORTS[0], "data_port_last": DATA_PORTS[1],
+        "monitoring_namespace": args.monitoring_namespace, "namespace_label": NAMESPACE_NAME_LABEL,
     }
 
     def fill(text: str, **more: object) -> str:
@@ -692,6 +822,7 @@ def render(args: argparse.Namespace) -> dict[str, str]:
         "recoverable_job": RECOVERABLE_JOB.substitute(values, pod=recoverable_pod),
         "recoverable_metrics": METRICS_SERVICE.substitute(
             values, about=coordinator_metrics, selector="\n    app.kubernetes.io/component: coordinator"),
+        "network_policy": NETWORK_POLICY.substitute(values),
     }
     return {path: made[what] for path, what in LAYOUT.items()}
 
@@ -707,6 +838,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--active-deadline-s", type=int, default=DEFAULT_ACTIVE_DEADLINE_S,
                    help=f"the longest the whole Job may run, pending pods included (default {DEFAULT_ACTIVE_DEADLINE_S}: "
                         "7 days)")
+    p.add_argument("--monitoring-namespace", default=DEFAULT_MONITORING_NAMESPACE,
+                   help="the namespace whose pods the NetworkPolicy lets scrape the metrics port (default "
+                        f"{DEFAULT_MONITORING_NAMESPACE})")
     p.add_argument("--jobset", action="store_true", help="print the JobSet (and its metrics Service) instead of the "
                    "Service and Indexed Job")
     p.add_argument("--recoverable", action="store_true", help="print the recoverable variant instead: the coordinator "
