@@ -338,3 +338,195 @@ def test_segment_names_left_by_dead_processes_are_swept_and_live_ones_kept(tmp_p
         for path in paths.values():
             if os.path.exists(path):
                 os.unlink(path)
+
+
+# ---------------------------------------------------------------------------------------------- idle sockets
+# Issue 27, item 1: sockets that never authenticate (idle, or trickling bytes) held against each
+# rank's data-plane port must not stop the job's first links, nor a split's.
+
+ATTACKER = """
+import select, socket, sys, time
+ports = [int(p) for p in sys.argv[1].split(",")]
+idle, trickle, pause = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+poller = select.poll()
+held = {}  # fd -> [socket, port, trickler, next byte due]
+reconnects = 0
+def dial(port, trickler):
+    sock = socket.socket()
+    sock.setblocking(False)
+    sock.connect_ex(("127.0.0.1", port))
+    held[sock.fileno()] = [sock, port, trickler, time.monotonic() + 0.25]
+    poller.register(sock.fileno(), select.POLLIN)
+for port in ports:
+    for i in range(idle + trickle):
+        dial(port, i >= idle)
+print("HOLDING", len(held), flush=True)
+last = time.monotonic()
+while True:
+    closed = []
+    for fd, _ in poller.poll(pause * 1000):
+        try:
+            if held[fd][0].recv(4096):
+                continue
+        except BlockingIOError:
+            continue
+        except OSError:
+            pass
+        closed.append(fd)
+    now = time.monotonic()
+    for fd, entry in list(held.items()):
+        if entry[2] and fd not in closed and now >= entry[3]:
+            entry[3] = now + 0.25
+            try:
+                entry[0].send(b"G")  # a byte of something that may become a handshake, never finished
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed.append(fd)
+    for fd in closed:
+        sock, port, trickler, _ = held.pop(fd)
+        poller.unregister(fd)
+        sock.close()
+        reconnects += 1
+        dial(port, trickler)
+    if now - last >= 1.0:
+        print("RECONNECTS", reconnects, flush=True)
+        last = now
+    time.sleep(pause)
+"""
+
+
+UNDER_ATTACK = """
+import os, time, numpy as np, gridcomm
+rank = int(os.environ["GRIDCOMM_RANK"]); world = int(os.environ["GRIDCOMM_WORLD_SIZE"])
+comm = gridcomm.init_process_group(backend="host")
+print(f"PORT {comm._backend._plane.card.port}", flush=True)
+deadline = time.monotonic() + 120
+while not os.path.exists(os.environ["GO_FILE"]):  # the attacker holds its sockets
+    assert time.monotonic() < deadline, "no go"
+    time.sleep(0.02)
+want = world * (world + 1) / 2
+try:
+    start = time.monotonic()
+    x = np.full(1000, rank + 1.0)
+    comm.all_reduce(x, x)  # the first collective: every link is made now, under attack
+    first = time.monotonic() - start
+    assert (x == want).all(), x
+    sub = comm.split(0, key=world - rank)  # new links again, between the same processes
+    y = np.full(300_000, sub.rank + 1.0, dtype=np.float32)
+    sub.all_reduce(y, y)
+    assert (y == want).all(), y[:4]
+    total = time.monotonic() - start
+    print(f"OUTCOME ok rank= at={time.time():.3f} msg=first={first:.3f} total={total:.3f}", flush=True)
+    sub.stop()
+except gridcomm.GridcommError as exc:
+    print(f"OUTCOME {type(exc).__name__} rank={getattr(exc, 'rank', '')} at={time.time():.3f} "
+          f"msg=after {time.monotonic() - start:.2f} s: {exc}", flush=True)
+comm.stop()
+"""
+
+
+def _under_attack(ranks: Callable[..., Ranks], env: dict[str, str], tmp: str, world: int = 3, idle: int = 200,
+                  trickle: int = 8) -> list[tuple[str, str, float, str]]:
+    go = os.path.join(tmp, "go")
+    job = ranks(UNDER_ATTACK, world, dict(env, GO_FILE=go))
+    ports = [job.expect(rank, r"^PORT \d+$", STARTUP_S).string.split()[1] for rank in range(world)]
+    attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, ",".join(ports), str(idle), str(trickle), "0.02"],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert attacker.stdout is not None
+        line = attacker.stdout.readline()
+        assert line.startswith("HOLDING"), line
+        time.sleep(2.0)  # the attack's steady state: every port's pending handshakes are the attacker's
+        assert attacker.poll() is None
+        open(go, "w").close()
+        results = [outcome(job, rank, 60) for rank in range(world)]
+    finally:
+        attacker.kill()
+        attacker.wait(10)
+        counts = attacker.stdout.read() if attacker.stdout is not None else ""
+        if attacker.stdout is not None:
+            attacker.stdout.close()
+    reopened = re.findall(r"^RECONNECTS (\d+)$", counts, re.M)
+    for rank, (kind, _, _, msg) in enumerate(results):
+        print(f"rank {rank}: {kind} {msg}")
+    print(f"the attacker opened {reopened[-1] if reopened else 0} sockets again after they were dropped")
+    for rank, (kind, failed, _, msg) in enumerate(results):
+        assert kind == "ok", f"rank {rank}: {kind}({failed}) {msg}\n{job.report()}"
+    for rank in range(world):
+        assert job.procs[rank].wait(30) == 0, job.report()
+    # The attack was on: every port's pending handshakes were full (the oldest was evicted).
+    for rank in range(world):
+        assert "dropped the oldest unauthenticated connection" in job.procs[rank].stderr(), job.report()
+    return results
+
+
+@pytest.mark.timeout(150)
+def test_idle_and_trickling_sockets_do_not_stop_a_jobs_links(ranks: Callable[..., Ranks], tmp_path) -> None:
+    """200 idle and 8 trickling sockets held (and opened again when dropped) against each of 3
+    ranks' data-plane ports: the first all_reduce and a split's all_reduce give the right sums."""
+    results = _under_attack(ranks, base_env(GRIDCOMM_TOKEN="the-token"), str(tmp_path))
+    firsts = [float(re.search(r"first=([\d.]+)", msg).group(1)) for _, _, _, msg in results]  # type: ignore[union-attr]
+    assert max(firsts) < 10.0, firsts
+
+
+@pytest.mark.skipif(subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
+                    reason="needs the openssl command to make test certificates")
+@pytest.mark.timeout(150)
+def test_idle_and_trickling_sockets_do_not_stop_a_jobs_links_with_mtls(ranks: Callable[..., Ranks],
+                                                                       pki: dict[str, str], tmp_path) -> None:
+    env = base_env(GRIDCOMM_HOST="localhost", GRIDCOMM_TLS_SERVER_NAME="localhost", GRIDCOMM_TOKEN="the-token",
+                   **tls_env(pki, mtls=True, client="client"))
+    _under_attack(ranks, env, str(tmp_path))
+
+
+ROGUE_CERT = """
+import dataclasses, os, time, numpy as np, gridcomm
+from gridcomm._backends.host import plane as _p2p
+rank = int(os.environ["GRIDCOMM_RANK"])
+comm = gridcomm.init_process_group(backend="host")
+x = np.ones(4)
+comm.all_reduce(x, x)
+if rank == 0:
+    raw = comm._backend._card_of(1)
+    config = comm._backend.config
+    pem = lambda path: open(path, "rb").read()
+    rogue_tls = dataclasses.replace(config.tls, client_cert=pem(os.environ["ROGUE"] + ".pem"),
+                                    client_key=pem(os.environ["ROGUE"] + ".key"))
+    rogue = _p2p.Plane(dataclasses.replace(config, tls=rogue_tls), "world", 0, 2, lambda r: raw)
+    rogue.check()
+    start = time.monotonic()
+    try:
+        rogue.link(1)
+        print("ROGUE ADMITTED", flush=True)
+    except gridcomm.GridcommError as exc:
+        print(f"ROGUE {type(exc).__name__} after={time.monotonic() - start:.3f} {exc}", flush=True)
+    finally:
+        rogue.close()
+comm.barrier("probed")
+x = np.full(4, rank + 1.0)
+comm.all_reduce(x, x)
+assert (x == 3).all(), x
+comm.stop()
+print("OK", flush=True)
+"""
+
+
+@pytest.mark.skipif(subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
+                    reason="needs the openssl command to make test certificates")
+@pytest.mark.timeout(120)
+def test_a_certificate_of_another_ca_is_refused_at_once_not_retried(ranks: Callable[..., Ranks],
+                                                                     pki: dict[str, str]) -> None:
+    """Dialers connect again after a reset before admission; a certificate the peer rejects is no
+    reset: it is an AuthenticationError at once, and the job goes on."""
+    env = base_env(GRIDCOMM_HOST="localhost", GRIDCOMM_TLS_SERVER_NAME="localhost", GRIDCOMM_TOKEN="the-token",
+                   ROGUE=pki["rogue-client"], **tls_env(pki, mtls=True, client="client"))
+    job = ranks(ROGUE_CERT, 2, env)
+    line = job.expect(0, r"^ROGUE ", STARTUP_S).string
+    print(line)
+    match = re.match(r"^ROGUE AuthenticationError after=([\d.]+) .*TLS failed", line)
+    assert match, line
+    assert float(match.group(1)) < 1.0, line
+    for rank in (0, 1):
+        job.expect(rank, r"^OK$", 60)
+        assert job.procs[rank].wait(30) == 0, job.report()

@@ -3,12 +3,14 @@ each new link to the communicator it names, refusing what cannot be admitted."""
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
 import os
 import secrets
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -23,6 +25,7 @@ from gridcomm._backends.host.handshake import (
     _MAC_BYTES,
     _REFUSED,
     _UNKNOWN,
+    HELLO_S,
     _Io,
     _mac,
     _negotiate_shm,
@@ -62,9 +65,61 @@ class _Refusals:
         log.warning(message + (f" ({quiet} more refused since the last report)" if quiet else ""), *args)
 
 
+class _Pending:
+    """A connection accepted and not yet admitted (it has not proved the job's token). Until its
+    HELLO is verified (``hello``) it is the accept thread's alone; then a thread of its own runs
+    the rest of the handshake."""
+
+    __slots__ = ("seq", "sock", "addr", "accepted", "buf", "got", "tls_done", "hello", "evicted")
+
+    def __init__(self, seq: int, sock: socket.socket, addr: str) -> None:
+        self.seq = seq
+        self.sock = sock
+        self.addr = addr
+        self.accepted = time.monotonic()
+        self.buf = bytearray(_HELLO.size)
+        self.got = 0
+        self.tls_done = False
+        #: Its HELLO named a communicator of this process, with the right magic and version.
+        self.hello = False
+        #: Dropped for a newcomer (the thread that runs it then says nothing more).
+        self.evicted = False
+
+
+def _shutdown_fd(fd: int) -> None:
+    """Shuts a socket down by its descriptor, without closing it: the thread polling it wakes (its
+    reads end), and closes it itself, so the descriptor is never closed under another thread."""
+    sock = socket.socket(fileno=fd)
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
+
+
 class Endpoint:
     """The process's listening socket for one address (and TLS setting), shared by the planes
-    (communicators) of the process, with its accept thread."""
+    (communicators) of the process, with its accept thread.
+
+    Admission is bounded against sockets that never authenticate: at most
+    :data:`~gridcomm._backends.host.frames.MAX_HANDSHAKES` connections are pending (accepted, not
+    yet admitted) at once; each must deliver its HELLO within :data:`HELLO_S` of its accept and
+    finish within :data:`~gridcomm._backends.host.frames.HANDSHAKE_S`; and a newcomer is never
+    refused for want of a place: the oldest pending connection whose HELLO is not verified yet is
+    evicted for it (the oldest of all when every one has a verified HELLO), as OpenSSH's
+    MaxStartups drops unauthenticated connections rather than stopping accepting. A dialer's HELLO
+    comes a round trip after its connect, so idle and trickling sockets are always the ones
+    evicted first, and a dialer dropped anyway connects again (see ``Plane._dial``).
+
+    Until its HELLO, a connection costs no thread: the accept thread polls the listening socket
+    and every such connection (non-blocking, the TLS handshake included) and reads HELLOs itself.
+    A verified HELLO gets a thread for the rest (the token's MACs, then shared memory)."""
+
+    #: Connections taken from the listening socket per turn of the accept loop, fewer than
+    #: MAX_HANDSHAKES, so a connection accepted in one turn is read in the next before a flood of
+    #: newer ones can evict it.
+    ACCEPT_BATCH = 16
 
     def __init__(self, host: str, tls: _config.TlsFiles | None) -> None:
         self.host = host
@@ -88,7 +143,15 @@ class Endpoint:
         self._poller = select.poll()
         self._poller.register(sock.fileno(), select.POLLIN)
         self._poller.register(self._stop_r, select.POLLIN)
-        self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        #: Pending connections in the order they were accepted (oldest first), under _pending_lock.
+        self._pending: dict[int, _Pending] = {}
+        #: The accept thread's connections before their HELLO, by descriptor.
+        self._early: dict[int, _Pending] = {}
+        self._pending_lock = threading.Lock()
+        self._seq = 0
+        #: Handshake threads still running (close() waits for them before closing the stop pipe).
+        self._threads = 0
+        self._threads_done = threading.Condition(self._pending_lock)
         self._refusals = _Refusals()
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name=f"gridcomm-p2p-accept-{self.port}", daemon=True)
@@ -112,77 +175,214 @@ class Endpoint:
         os.write(self._stop_w, b"x")
         self._thread.join(HANDSHAKE_S + 1.0)
         self._sock.close()
-        # Why the slots: the pipe may be closed only once no handshake thread polls it any more;
-        # woken by the stop byte, each ends at once and gives its slot back.
+        # Why wait for the threads: the pipe may be closed only once no handshake thread polls it
+        # any more; woken by the stop byte, each ends at once.
         deadline = time.monotonic() + HANDSHAKE_S
-        taken = 0
-        while taken < MAX_HANDSHAKES and self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            taken += 1
+        with self._threads_done:
+            while self._threads and self._threads_done.wait(max(0.0, deadline - time.monotonic())):
+                pass
+            idle = self._threads == 0
         os.close(self._stop_w)
-        if taken == MAX_HANDSHAKES:
+        if idle and not self._thread.is_alive():
             os.close(self._stop_r)
 
+    def pending(self) -> tuple[int, int]:
+        """(connections pending admission, of which with a verified HELLO): for tests and logs."""
+        with self._pending_lock:
+            return len(self._pending), sum(entry.hello for entry in self._pending.values())
+
+    # ------------------------------------------------------------------ the accept thread
     def _accept_loop(self) -> None:
-        while not self._closed:
-            # Why a bound on each wait: none without a timeout, even one the stop pipe ends.
-            ready = [fd for fd, _ in self._poller.poll(5000)]
-            if self._stop_r in ready:
-                return
-            if not ready:
-                continue
+        try:
+            while not self._closed:
+                # Why a bound on each wait: none without a timeout, even one the stop pipe ends;
+                # the earliest HELLO deadline ends it sooner.
+                timeout = 5.0
+                with self._pending_lock:
+                    for pending in self._pending.values():
+                        if not pending.hello:
+                            timeout = min(timeout, max(0.0, pending.accepted + HELLO_S - time.monotonic()))
+                            break
+                ready = self._poller.poll(timeout * 1000 + 1)
+                for fd, _ in ready:
+                    if fd == self._stop_r:
+                        return
+                    if fd == self._sock.fileno():
+                        self._accept_some()
+                    else:
+                        early = self._early.get(fd)
+                        if early is not None:
+                            self._progress(early)
+                self._expire()
+        finally:
+            for early in list(self._early.values()):
+                self._drop(early, None)
+
+    def _accept_some(self) -> None:
+        for _ in range(self.ACCEPT_BATCH):
             try:
                 conn, addr = self._sock.accept()
             except (BlockingIOError, InterruptedError):
-                continue
+                return
             except OSError as exc:
                 log.warning("data-plane endpoint %s:%d: accept failed: %s", self.host, self.port, exc)
-                continue
-            if not self._slots.acquire(blocking=False):
-                self._refusals.report("data-plane endpoint %s:%d: refused a connection from %s: %d handshakes are "
-                                      "already in progress", self.host, self.port, addr, MAX_HANDSHAKES)
+                return
+            try:
+                conn.setblocking(False)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock: socket.socket = conn
+                if self._server_ctx is not None:
+                    sock = self._server_ctx.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            except OSError as exc:
+                self._refusals.report("data-plane endpoint %s:%d: dropped a connection from %s: %s", self.host,
+                                      self.port, addr, exc)
                 conn.close()
                 continue
-            threading.Thread(target=self._admit, args=(conn, addr), name="gridcomm-p2p-admit", daemon=True).start()
+            self._make_room()
+            self._seq += 1
+            entry = _Pending(self._seq, sock, _config.format_target(str(addr[0]), int(addr[1])))
+            with self._pending_lock:
+                self._pending[entry.seq] = entry
+            self._early[sock.fileno()] = entry
+            self._poller.register(sock.fileno(), select.POLLIN)
+            self._progress(entry)  # its HELLO may be there already
 
-    def _admit(self, conn: socket.socket, addr: Any) -> None:
-        peer_addr = _config.format_target(str(addr[0]), int(addr[1]))
-        sock: socket.socket = conn
+    def _make_room(self) -> None:
+        """Evicts the oldest pending connection whose HELLO is not verified (else the oldest of all)
+        when MAX_HANDSHAKES are pending, so the newcomer is taken rather than refused."""
+        with self._pending_lock:
+            if len(self._pending) < MAX_HANDSHAKES:
+                return
+            victim = next((e for e in self._pending.values() if not e.hello), None) or \
+                next(iter(self._pending.values()))
+            age = time.monotonic() - victim.accepted
+            victim.evicted = True
+            if victim.hello:
+                # Its thread owns the socket: woken by the shutdown, it closes it and ends.
+                del self._pending[victim.seq]
+                _shutdown_fd(victim.sock.fileno())
+        self._refusals.report("data-plane endpoint %s:%d: dropped the oldest unauthenticated connection (from %s, "
+                              "%.2f s old%s) for a new one: %d connections were waiting for admission", self.host,
+                              self.port, victim.addr, age, ", hello verified" if victim.hello else "", MAX_HANDSHAKES)
+        if not victim.hello:
+            self._drop(victim, None)
+
+    def _expire(self) -> None:
+        """Drops the connections whose HELLO has not come within HELLO_S of their accept."""
+        now = time.monotonic()
+        late = []
+        with self._pending_lock:
+            for entry in self._pending.values():
+                if entry.hello:
+                    continue
+                if entry.accepted + HELLO_S > now:
+                    break  # accepted in order: the rest are younger
+                late.append(entry)
+        for entry in late:
+            self._drop(entry, f"it sent no data-plane hello within {HELLO_S:g} s")
+
+    def _drop(self, entry: _Pending, reason: str | None) -> None:
+        """Closes a connection of the accept thread's (before its HELLO), logging ``reason``."""
+        with self._pending_lock:
+            self._pending.pop(entry.seq, None)
+        fd = entry.sock.fileno()
+        if self._early.pop(fd, None) is not None:
+            self._poller.unregister(fd)
+        if reason is not None:
+            self._refusals.report("data-plane endpoint %s:%d: dropped a connection from %s: %s", self.host, self.port,
+                                  entry.addr, reason)
+        entry.sock.close()
+
+    def _progress(self, entry: _Pending) -> None:
+        """Moves a connection's TLS handshake and HELLO as far as they go without blocking; hands it
+        to a thread of its own once its HELLO is verified."""
+        sock = entry.sock
         try:
-            conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            io = _Io(conn, time.monotonic() + HANDSHAKE_S, self._stop_r)
-            if self._server_ctx is not None:
-                sock = self._server_ctx.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
-                io.sock = sock
-                io.tls_handshake()
-            link = self._authenticate(io, peer_addr)
-            if link is not None:
-                sock = link.sock
-        except (_Woken, _Expired, OSError, GridcommError, ValueError, struct.error) as exc:
-            reason = "it did not finish its handshake in time" if isinstance(exc, _Expired) else str(exc)
-            if not isinstance(exc, _Woken):
-                self._refusals.report("data-plane endpoint %s:%d: dropped a connection from %s: %s", self.host,
-                                      self.port, peer_addr, reason)
-            sock.close()
+            if self._server_ctx is not None and not entry.tls_done:
+                assert isinstance(sock, ssl.SSLSocket)
+                sock.do_handshake()
+                entry.tls_done = True
+            view = memoryview(entry.buf)
+            while entry.got < _HELLO.size:
+                n = sock.recv_into(view[entry.got:], _HELLO.size - entry.got)
+                if n == 0:
+                    raise ConnectionResetError(errno.ECONNRESET, "the peer closed the connection during the handshake")
+                entry.got += n
+            plane = self._verify_hello(entry)
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+            self._poller.modify(sock.fileno(), select.POLLIN)
+            return
+        except ssl.SSLWantWriteError:
+            self._poller.modify(sock.fileno(), select.POLLOUT)
+            return
+        except (OSError, GridcommError, ValueError, struct.error) as exc:
+            self._drop(entry, str(exc))
+            return
         except Exception:  # noqa: BLE001 - a bug here must cost one connection, not the endpoint
-            log.exception("data-plane endpoint %s:%d: admitting a connection from %s failed", self.host, self.port,
-                          peer_addr)
+            log.exception("data-plane endpoint %s:%d: reading a hello from %s failed", self.host, self.port, entry.addr)
+            self._drop(entry, None)
+            return
+        fd = sock.fileno()
+        del self._early[fd]
+        self._poller.unregister(fd)
+        with self._pending_lock:
+            entry.hello = True
+            self._threads += 1
+        try:
+            threading.Thread(target=self._admit, args=(entry, plane), name="gridcomm-p2p-admit", daemon=True).start()
+        except BaseException:
+            with self._pending_lock:
+                self._threads -= 1
+                self._pending.pop(entry.seq, None)
             sock.close()
-        finally:
-            self._slots.release()
+            raise
 
-    def _authenticate(self, io: _Io, peer_addr: str) -> Link | None:
-        hello = io.recv(_HELLO.size)
-        magic, version, _, target, source, rank, dialed, peer_host, challenge = _HELLO.unpack(hello)
+    def _verify_hello(self, entry: _Pending) -> Plane:
+        magic, version, _, target, *_rest = _HELLO.unpack(bytes(entry.buf))
         if magic != MAGIC or version != VERSION:
             raise DataPlaneError(f"it is not a gridcomm data-plane client of version {VERSION} (magic {magic!r}, "
                                  f"version {version})")
         with self._lock:
             plane = self._planes.get(target)
         if plane is None or plane.closed:
-            io.send(_ACCEPT_HEAD.pack(MAGIC, _UNKNOWN, b"", b"") + bytes(_MAC_BYTES))
+            try:  # a few bytes into an empty send buffer: sent at once, or not at all (it is dropped anyway)
+                entry.sock.send(_ACCEPT_HEAD.pack(MAGIC, _UNKNOWN, b"", b"") + bytes(_MAC_BYTES))
+            except (OSError, ssl.SSLError):
+                pass
             raise DataPlaneError(f"it named communicator {target.hex()}, which does not live in this process (a stale "
                                  "address, or a rank of another job)")
+        return plane
+
+    # ------------------------------------------------------------------ a handshake's thread
+    def _admit(self, entry: _Pending, plane: Plane) -> None:
+        sock = entry.sock
+        try:
+            io = _Io(sock, entry.accepted + HANDSHAKE_S, self._stop_r)
+            link = self._authenticate(io, entry, plane)
+            if link is not None:
+                sock = link.sock
+        except (_Woken, _Expired, OSError, GridcommError, ValueError, struct.error) as exc:
+            reason = "it did not finish its handshake in time" if isinstance(exc, _Expired) else str(exc)
+            with self._pending_lock:
+                self._pending.pop(entry.seq, None)  # from now on nobody else touches its socket
+            if not isinstance(exc, _Woken) and not entry.evicted:
+                self._refusals.report("data-plane endpoint %s:%d: dropped a connection from %s: %s", self.host,
+                                      self.port, entry.addr, reason)
+            sock.close()
+        except Exception:  # noqa: BLE001 - a bug here must cost one connection, not the endpoint
+            log.exception("data-plane endpoint %s:%d: admitting a connection from %s failed", self.host, self.port,
+                          entry.addr)
+            with self._pending_lock:
+                self._pending.pop(entry.seq, None)
+            sock.close()
+        finally:
+            with self._threads_done:
+                self._threads -= 1
+                self._threads_done.notify_all()
+
+    def _authenticate(self, io: _Io, entry: _Pending, plane: Plane) -> Link | None:
+        hello = bytes(entry.buf)
+        _, _, _, _, _, rank, dialed, peer_host, _ = _HELLO.unpack(hello)
         head = _ACCEPT_HEAD.pack(MAGIC, _ADMITTED, plane.host_key, secrets.token_bytes(32))
         mac = _mac(plane.key, b"gridcomm p2p accept\0", hello, head)
         io.send(head + mac)
@@ -195,10 +395,15 @@ class Endpoint:
             io.send(bytes([_REFUSED]))
             raise DataPlaneError(f"it claims rank {rank} dialling rank {dialed} of communicator {plane.name!r} (world size "
                                  f"{plane.world_size}); only lower ranks dial this rank {plane.rank}")
+        with self._pending_lock:
+            if entry.evicted:  # evicted while it proved the token: its socket is shut down
+                raise ConnectionResetError(errno.ECONNRESET, "evicted for a newer connection")
+            # Admitted: it no longer holds a pending place, and nothing evicts it any more.
+            self._pending.pop(entry.seq, None)
         io.send(bytes([_ADMITTED]))
-        what = f"{plane.label}: link from rank {rank} ({peer_addr})"
+        what = f"{plane.label}: link from rank {rank} ({entry.addr})"
         shm_out, shm_in = _negotiate_shm(io, plane.same_host(peer_host), what)
-        link = Link(plane.label, rank, peer_addr, io.sock, shm_out, shm_in)
+        link = Link(plane.label, rank, entry.addr, io.sock, shm_out, shm_in)
         if not plane.adopt(link):
             link.close(goodbye=False)
         return link

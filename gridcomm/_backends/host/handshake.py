@@ -50,6 +50,35 @@ _OFFER = struct.Struct("<B3xII48s32s")
 _ADMITTED, _UNKNOWN, _REFUSED = 0, 1, 2
 
 
+#: How long a connection has, counted from its accept, to deliver a whole HELLO (after its TLS
+#: handshake, with TLS). A dialer sends its HELLO as soon as it is connected, so a healthy one
+#: needs a round trip or two; what has sent no HELLO by then (an idle or trickling socket) is
+#: dropped, so it holds one of the endpoint's pending-handshake places for 1 s at most, not for the
+#: whole handshake bound. Why 1 s: a hundred times a loaded loopback TLS handshake, and a dialer
+#: dropped by a stall longer than that connects again (see :data:`RETRIED_BEFORE_ADMISSION`).
+HELLO_S = 1.0
+
+
+#: What a dialer reads as "dropped before admission, connect again" rather than as its peer's death:
+#: the acceptor closes (or resets) a connection that has not proved the job's token when it runs
+#: out of time (:data:`HELLO_S`) or of places (the oldest unauthenticated connection is evicted for
+#: a newcomer), and an unauthenticated socket can cause either. A dead peer's port refuses the next
+#: connection, which the dialer judges on its own.
+RETRIED_BEFORE_ADMISSION: tuple[type[BaseException], ...] = (
+    ConnectionResetError, ConnectionAbortedError, BrokenPipeError, ssl.SSLEOFError, ssl.SSLZeroReturnError)
+
+
+def closed_before_admission(exc: BaseException) -> bool:
+    """Whether ``exc`` (raised before this dialer's link was admitted) is the connection being
+    closed or reset under it, never a certificate or protocol failure (those are
+    :class:`ssl.SSLError` with a reason, and stay errors at once)."""
+    if isinstance(exc, RETRIED_BEFORE_ADMISSION):
+        return True
+    # Why errno too: OpenSSL reports a reset inside a TLS read as SSLSyscallError / OSError(ECONNRESET).
+    return isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED) and \
+        not isinstance(exc, ssl.SSLCertVerificationError)
+
+
 def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, label + b"".join(parts), hashlib.sha256).digest()
 

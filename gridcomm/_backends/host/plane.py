@@ -6,7 +6,10 @@ from then on bytes move between the two ranks alone.
 
 - **Endpoint.** One listening TCP socket per process (shared by all of its communicators), bound
   to the address this host uses to reach the coordinator, with a thread that accepts and
-  authenticates connections and hands each one to the communicator it names.
+  authenticates connections and hands each one to the communicator it names. Connections that
+  have not authenticated are bounded in time (HELLO_S to say hello) and number (the oldest is
+  evicted for a newcomer), and a dialer connects again after a close before admission, so
+  sockets held against the port delay a link but never fail a rank.
 - **Link.** One connection per pair of ranks and communicator, made on first use: the lower rank
   dials, the higher one accepts (so two ranks never dial each other at once). Its first bytes are
   an HMAC challenge-response over the job's token in both directions (the token itself never
@@ -57,6 +60,7 @@ from gridcomm._backends.host.handshake import (
     _Io,
     _mac,
     _negotiate_shm,
+    closed_before_admission,
 )
 from gridcomm._backends.host.link import Incoming, Link, Outgoing
 from gridcomm._backends.host.tls import tls_contexts
@@ -261,20 +265,38 @@ class Plane:
                     pass
 
     def _dial(self, peer: int) -> Link:
+        """Connects and authenticates the link to ``peer``, bounded by this dial's deadline.
+
+        A connection closed or reset before the link is admitted (before the peer has checked this
+        rank's proof of the token and said so) is connected again, with backoff, until the
+        deadline: the peer's endpoint drops unauthenticated connections when they are late or when
+        it needs their place for a newer one (see ``Endpoint``), and anyone who can reach its port
+        can make that happen, so it says nothing about the peer's health. A dead peer's port
+        refuses the next connection (judged below), and the coordinator's verdict wakes this wait.
+        A certificate the other side rejects, a wrong proof or a refusal stay errors at once;
+        a connection broken after admission is the peer's loss (:meth:`_lost`)."""
         card = self._card(peer)
         addr = _config.format_target(card.host, card.port)
         what = f"{self.label}: link to rank {peer} ({addr})"
-        deadline = min(self._deadline, time.monotonic() + HANDSHAKE_S + self.config.verdict_s)
+        started = time.monotonic()
+        deadline = min(self._deadline, started + HANDSHAKE_S + self.config.verdict_s)
         refused_since: float | None = None
         backoff = 0.01
+        dropped = 0
+        last_drop = ""
+
+        def timeout(during: str, hint: str = "") -> BaseException:
+            why = (f"; {dropped} connections were closed before admission (the last: {last_drop}): is something "
+                   "else crowding its data-plane port with unauthenticated connections, or does it run another "
+                   f"gridcomm version (data-plane version {VERSION})?") if dropped else hint
+            return self._break(RendezvousTimeout(f"{what}: {during} within {time.monotonic() - started:.1f} s{why}",
+                                                 [peer]), report=True)
+
         while True:
             try:
                 sock = self._connect(card, deadline)
-                break
             except _Expired:
-                raise self._break(RendezvousTimeout(f"{what}: no connection within {HANDSHAKE_S:g} s; is rank "
-                                                    f"{peer} running, and is {addr} reachable from here?", [peer]),
-                                  report=True) from None
+                raise timeout("no connection", f"; is rank {peer} running, and is {addr} reachable from here?") from None
             except OSError as exc:
                 # Refused or unreachable: the peer may be gone (the coordinator will say so, which
                 # wakes this wait) or its network not ready yet; retried with backoff, bounded.
@@ -287,22 +309,49 @@ class Plane:
                         reason=f"its data-plane port refused connections: {exc.strerror or exc}"), report=False) from exc
                 self._pause(min(backoff, max(0.0, deadline - now)))
                 backoff = min(0.5, backoff * 2)
-        io = _Io(sock, deadline, self._wake_r)
+                continue
+            refused_since = None  # its port accepts: it is listening
+            io = _Io(sock, deadline, self._wake_r)
+            try:
+                if self._client_ctx is not None:
+                    io.sock = self._client_ctx.wrap_socket(sock, do_handshake_on_connect=False)
+                    io.tls_handshake()
+                peer_host = self._prove(io, peer, card, what)
+            except _Expired:
+                io.sock.close()
+                raise timeout("the handshake did not finish") from None
+            except (OSError, struct.error) as exc:
+                io.sock.close()
+                if isinstance(exc, OSError) and closed_before_admission(exc):
+                    dropped += 1
+                    last_drop = str(exc) or type(exc).__name__
+                    now = time.monotonic()
+                    if now >= deadline:
+                        raise timeout("the link was not admitted") from exc
+                    log.debug("%s: the connection was closed before admission (%s); connecting again", what, exc)
+                    self._pause(min(backoff, max(0.0, deadline - now)))
+                    backoff = min(0.5, backoff * 2)
+                    continue
+                if isinstance(exc, ssl.SSLError):
+                    raise self._break(AuthenticationError(
+                        f"{what}: TLS failed ({exc}); do all ranks use certificates of the job's CA (GRIDCOMM_TLS_CA)?"),
+                        report=True) from exc
+                raise self._lost(peer, addr, f"the handshake failed ({exc})") from exc
+            except DataPlaneError as exc:
+                io.sock.close()
+                raise self._break(exc, report=True) from None
+            except BaseException:
+                io.sock.close()
+                raise
+            break
+        # Admitted: from here on a broken connection is the peer's loss, as on an established link.
         try:
-            if self._client_ctx is not None:
-                io.sock = self._client_ctx.wrap_socket(sock, do_handshake_on_connect=False)
-                io.tls_handshake()
-            link = self._handshake(io, peer, card, addr, what)
+            shm_out, shm_in = _negotiate_shm(io, self.same_host(peer_host), what)
         except _Expired:
             io.sock.close()
-            raise self._break(RendezvousTimeout(f"{what}: the handshake did not finish within {HANDSHAKE_S:g} s",
-                                                [peer]), report=True) from None
+            raise timeout("the handshake did not finish") from None
         except (OSError, struct.error) as exc:
             io.sock.close()
-            if isinstance(exc, ssl.SSLError):
-                raise self._break(AuthenticationError(
-                    f"{what}: TLS failed ({exc}); do all ranks use certificates of the job's CA (GRIDCOMM_TLS_CA)?"),
-                    report=True) from exc
             raise self._lost(peer, addr, f"the handshake failed ({exc})") from exc
         except DataPlaneError as exc:
             io.sock.close()
@@ -310,7 +359,7 @@ class Plane:
         except BaseException:
             io.sock.close()
             raise
-        return link
+        return Link(self.label, peer, addr, io.sock, shm_out, shm_in)
 
     def _connect(self, card: Card, deadline: float) -> socket.socket:
         family = socket.AF_INET6 if ":" in card.host else socket.AF_INET
@@ -337,7 +386,8 @@ class Plane:
         if poller.poll(seconds * 1000):
             raise _Woken()
 
-    def _handshake(self, io: _Io, peer: int, card: Card, addr: str, what: str) -> Link:
+    def _prove(self, io: _Io, peer: int, card: Card, what: str) -> bytes:
+        """The challenge-response, up to admission; returns the peer's host key."""
         hello = _HELLO.pack(MAGIC, VERSION, 0, card.id, self.id, self.rank, peer, self.host_key,
                             secrets.token_bytes(32))
         io.send(hello)
@@ -358,8 +408,7 @@ class Plane:
         if io.recv(1) != bytes([_ADMITTED]):
             raise self._break(AuthenticationError(f"{what}: the peer refused this rank's proof of the job's token."),
                               report=True)
-        shm_out, shm_in = _negotiate_shm(io, self.same_host(peer_host), what)
-        return Link(self.label, peer, addr, io.sock, shm_out, shm_in)
+        return bytes(peer_host)
 
     # ------------------------------------------------------------------ messages
     def send(self, peer: int, view: memoryview, op: int, ready: int | None = None) -> Outgoing:
