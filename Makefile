@@ -47,14 +47,17 @@ $(PROTO_VENV)/.installed: pyproject.toml
 	$(PROTO_VENV)/bin/python -m pip install -q 'grpcio-tools==1.62.3'
 	touch $@
 
+# The .proto also ships in the package (beside the stubs, for tools without reflection): a copy.
 proto: $(PROTO_VENV)/.installed
 	$(PROTO_VENV)/bin/python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. \
 		protos/gridcomm/_proto/coordinator.proto
+	cp protos/gridcomm/_proto/coordinator.proto gridcomm/_proto/coordinator.proto
 
 proto-check: $(PROTO_VENV)/.installed
 	rm -rf .proto-check && mkdir -p .proto-check
 	$(PROTO_VENV)/bin/python -m grpc_tools.protoc -Iprotos --python_out=.proto-check --grpc_python_out=.proto-check \
 		--pyi_out=.proto-check protos/gridcomm/_proto/coordinator.proto
+	cp protos/gridcomm/_proto/coordinator.proto .proto-check/gridcomm/_proto/
 	diff -r -x __init__.py -x __pycache__ .proto-check/gridcomm/_proto gridcomm/_proto && echo "generated stubs are up to date"
 	rm -rf .proto-check
 
@@ -87,6 +90,14 @@ $(GLOO_VENV)/.installed: pyproject.toml
 .PHONY: bench-host
 bench-host: $(GLOO_VENV)/.installed
 	$(GLOO_VENV)/bin/python benchmarks/host_collectives.py $(BENCH_HOST_ARGS)
+
+# Ranks killed on loopback (4 ranks, host backend, default bounds): kill -> every rank good again
+# with recovery in place, and rank 0's death with the coordinator inside it (a few minutes).
+CHAOS_ARGS ?=
+
+.PHONY: chaos
+chaos: $(BIN)/.installed-run
+	$(BIN)/python benchmarks/chaos.py $(CHAOS_ARGS)
 
 lint: $(BIN)/.installed
 	$(BIN)/python scripts/check_imports.py

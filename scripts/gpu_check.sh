@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run (device machine: one or two H200s, no network). Installs the carried wheels (.whl/:
-# grpcio-health-checking, pytest-timeout, nccl4py), runs the gpu and multi_gpu tests with the NCCL
+# grpcio-health-checking, grpcio-reflection, pytest-timeout, nccl4py), runs the gpu and multi_gpu tests with the NCCL
 # engine GRIDCOMM_NCCL_ENGINE picks (auto: nccl4py where it loads), the world-size-1 conformance
 # again with CuPy's binding (GRIDCOMM_NCCL_ENGINE=cupy), the per-call probes and the collective
 # benchmark at world size 1 and, with 2+ GPUs, 2 (one process per GPU), and leaves logs in $OUT

@@ -11,6 +11,7 @@ count and time. The figures each attack gave are printed (``pytest -s``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import re
 import socket
@@ -27,6 +28,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import gridcomm
+from gridcomm._proto import coordinator_pb2 as pb
+from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from tests.support.http2 import (
     CONTINUATION,
     DATA,
@@ -440,3 +443,643 @@ def test_the_watchdog_binds_a_dead_server_again_and_waits_survive() -> None:
         for client in clients:
             client.close()
         server.stop()
+
+
+# ------------------------------------------------------------------ a token holder (issue 27, items 4 and 5)
+
+
+def _session_results(port: int, streams: list[list[pb.SessionOp]], wanted: Any, within_s: float) -> list[Any]:
+    """Sends each list of operations on a Session stream of its own (one connection, the token
+    set) and returns the results that came until ``wanted(results)`` held or ``within_s``
+    passed; then the streams are cancelled (what waits there ends)."""
+
+    async def run() -> list[Any]:
+        results: list[Any] = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            calls = [stub.Session(metadata=(("authorization", f"Bearer {TOKEN}"),)) for _ in streams]
+
+            async def read(call: Any) -> None:
+                while (reply := await call.read()) is not grpc.aio.EOF:
+                    results.extend(reply.results)
+
+            readers = [asyncio.ensure_future(read(call)) for call in calls]
+            for call, ops in zip(calls, streams, strict=True):
+                for i in range(0, len(ops), 1000):
+                    await call.write(pb.SessionRequest(ops=ops[i:i + 1000]))
+            deadline = time.monotonic() + within_s
+            while not wanted(results) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+        return results
+
+    return asyncio.run(run())
+
+
+def _barrier(port: int, caller: pb.Caller, name: str, wait_s: float) -> grpc.StatusCode:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            pb_grpc.CoordinatorStub(channel).Barrier(pb.BarrierRequest(caller=caller, name=name, seq=1, wait_s=wait_s),
+                                                     metadata=(("authorization", f"Bearer {TOKEN}"),),
+                                                     timeout=wait_s + 10.0)
+        except grpc.RpcError as exc:
+            return exc.code()  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_holding_the_token_meets_clear_limits_on_barriers_and_waits(served: Served) -> None:
+    """Rank 1 arrives at barrier names nobody else reaches and parks gets of keys nobody sets:
+    it is refused at its share of pending barriers and of waiting calls, Status stays small and
+    fast, memory stays bounded, and rank 0 is still served (barriers included)."""
+    token_holders_are_served(served.port, "before")
+    rank0, rank1 = (c.caller for c in _clients[served.port])
+    base = served.reset_peak()
+    flood = [[pb.SessionOp(id=i, barrier=pb.BarrierRequest(caller=rank1, name=f"never-{i}", seq=1, wait_s=0.0))
+              for i in range(1500)]]
+    results = sorted(_session_results(served.port, flood, lambda r: len(r) >= 1500, 60.0), key=lambda r: r.id)
+    codes = [grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] == r.code for r in results]
+    assert len(results) == 1500 and codes == [False] * 1000 + [True] * 500, codes.index(True) if True in codes else codes
+    assert "rank 1 has opened 1000 barriers that wait for ranks that have not arrived" in results[-1].details
+
+    began = time.monotonic()
+    with grpc.insecure_channel(f"127.0.0.1:{served.port}") as channel:
+        status = pb_grpc.CoordinatorStub(channel).Status(pb.StatusRequest(), metadata=(("authorization",
+                                                                                         f"Bearer {TOKEN}"),), timeout=30.0)
+    status_s = time.monotonic() - began
+    assert [b.name for b in status.barriers] == [f"never-{i}" for i in range(64)]  # the longest-waiting
+    assert "936 more pending barriers are not listed" in " ".join(status.late)
+
+    gets = [[pb.SessionOp(id=s * 600 + i, get=pb.GetRequest(caller=rank1, key=f"unset-{s}-{i}", wait_s=60.0))
+             for i in range(600)] for s in range(2)]
+    refused = _session_results(served.port, gets, lambda r: len(r) >= 176, 30.0)
+    growth = served.peak_growth_mb(base)
+    # 1,024 operations of rank 1 in flight at most: its parked gets, and its client's heartbeat when one is open.
+    assert 176 <= len(refused) <= 177 and {r.code for r in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}
+    assert "rank 1 already has 1024 operations in flight at the coordinator, the limit" in refused[0].details
+
+    # Still served: health, keys, a barrier rank 0 opens, and rank 1's own refusal says why.
+    for port in (served.port, served.health_port):
+        assert health_of(port) == SERVING and health_of(port, "gridcomm.v1.Coordinator") == SERVING
+    clients = _clients[served.port]
+    clients[1].set("after", b"v")
+    assert clients[0].get("after", timeout_s=10.0) == b"v"
+    assert _barrier(served.port, rank0, "after", 0.0) is grpc.StatusCode.DEADLINE_EXCEEDED  # rank 0 opened it
+    assert _barrier(served.port, rank1, "after", 10.0) is grpc.StatusCode.OK
+    assert _barrier(served.port, rank0, "after", 10.0) is grpc.StatusCode.OK  # its next slice: done
+    assert _barrier(served.port, rank1, "another", 0.0) is grpc.StatusCode.RESOURCE_EXHAUSTED
+    print(f"\n1,500 barrier names and 1,200 parked gets by one rank: refused past 1,000 and 1,024; Status "
+          f"{status_s * 1e3:.0f} ms; peak RSS +{growth:.1f} MB")
+    assert growth <= RSS_BOUND_MB, f"peak RSS grew by {growth:.1f} MB (bound {RSS_BOUND_MB} MB)"
+    assert status_s < 2.0, f"Status took {status_s:.2f} s"
+
+
+@pytest.mark.timeout(120)
+def test_scans_of_many_pending_barriers_do_not_stall_the_loop() -> None:
+    """100,000 pending barrier names (a limit raised for the test): one metrics snapshot and one
+    Status answer each hold the coordinator's loop for O(1) and O(what Status lists), measured as
+    the CPU time of the loop's thread (other processes on the machine do not count)."""
+    from gridcomm._coordinator import metrics as _metrics
+    from gridcomm._coordinator.state import Limits
+
+    world, names = 8, 100_000
+    server = gridcomm.Coordinator(world_size=world, bind="127.0.0.1", port=0, token=TOKEN,
+                                  limits=Limits(max_pending_barriers=names, max_pending_barriers_per_rank=names)).start()
+    try:
+        loop = server._loop
+        assert loop is not None
+
+        def on_loop(fn: Any) -> tuple[float, Any]:
+            """Runs ``fn`` on the coordinator's loop; its result and the loop thread's CPU time."""
+            done: concurrent.futures.Future[tuple[float, Any]] = concurrent.futures.Future()
+
+            def run() -> None:
+                began = time.thread_time()
+                try:
+                    value = fn()
+                except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+                    done.set_exception(exc)
+                    return
+                done.set_result((time.thread_time() - began, value))
+
+            loop.call_soon_threadsafe(run)
+            return done.result(60.0)
+
+        def fill() -> None:
+            state = server.state
+            for rank in range(world):
+                state.join(state.job_id, rank, world, 100 + rank, "h", time.monotonic())
+            for i in range(names):
+                state.arrive(f"never-{i}", i % world, 1, time.monotonic())
+
+        def status() -> Any:
+            # The operation never waits: one step of its coroutine runs it to its answer.
+            coroutine = server._servicer.status(pb.StatusRequest(), None)  # type: ignore[union-attr]
+            try:
+                coroutine.send(None)
+            except StopIteration as stop:
+                return stop.value
+            raise AssertionError("Status waited")
+
+        on_loop(fill)
+        snapshot_s, snap = on_loop(lambda: _metrics._snapshot(server))
+        status_s, reply = on_loop(status)
+        print(f"\n{names} pending barriers: a metrics snapshot {snapshot_s * 1e3:.2f} ms and Status {status_s * 1e3:.2f} "
+              f"ms of the loop's CPU; Status {reply.ByteSize()} bytes, {len(reply.barriers)} barriers listed")
+        assert snap.pending_barriers == names and snap.oldest_barrier_s > 0
+        assert len(reply.barriers) == 64 and reply.ByteSize() < 1 << 20
+        assert f"{names - 64} more pending barriers are not listed" in " ".join(reply.late)
+        assert snapshot_s < 0.02 and status_s < 0.1, (snapshot_s, status_s)
+    finally:
+        server.stop()
+
+
+# ==============================================================================================
+# The host backend's data-plane port before authentication (issue 27, item 1): a rank's
+# endpoint and two real planes in this process, on loopback; the attacks are real sockets.
+# ==============================================================================================
+
+
+def _two_planes(token: str = TOKEN) -> tuple[Any, Any]:
+    """Ranks 0 and 1 of one communicator, sharing this process's data-plane endpoint."""
+    from gridcomm._backends.host import plane as _p2p
+
+    config = _p2p.PlaneConfig(token=token, tls=None, host="127.0.0.1", timeout_s=20.0, verdict_s=4.0, shm=False)
+    cards: dict[int, bytes] = {}
+    low = _p2p.Plane(config, "adversarial", 0, 2, lambda rank: cards[rank])
+    high = _p2p.Plane(config, "adversarial", 1, 2, lambda rank: cards[rank])
+    cards.update({0: low.card.encode(), 1: high.card.encode()})
+    return low, high
+
+
+def _link_and_exchange(low: Any, high: Any) -> float:
+    """Makes the link (rank 0 dials rank 1) and moves one message on it; returns the seconds taken."""
+    low.check()
+    high.check()
+    got: dict[str, Any] = {}
+
+    def accept() -> None:
+        try:
+            high.link(0)
+            buf = bytearray(5)
+            high.recv(0, 5, 6, dest=memoryview(buf))
+            high.wait()
+            got["bytes"] = bytes(buf)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            got["error"] = exc
+
+    thread = threading.Thread(target=accept, daemon=True)
+    start = time.monotonic()
+    thread.start()
+    low.link(1)
+    low.send(1, memoryview(b"hello"), 6)
+    low.wait()
+    thread.join(30)
+    assert got.get("bytes") == b"hello", got
+    return time.monotonic() - start
+
+
+def _closed_at(socks: list[socket.socket], timeout_s: float) -> list[float]:
+    """When each socket saw its connection closed by the endpoint (EOF or reset), in monotonic
+    seconds; inf for those still open after ``timeout_s``."""
+    import select  # here, not at the top: this block is appended to a file other tests share
+
+    when = [float("inf")] * len(socks)
+    fds = {sock.fileno(): i for i, sock in enumerate(socks)}
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while fds and time.monotonic() < deadline:
+        for fd, _ in poller.poll(50):
+            i = fds.pop(fd)
+            poller.unregister(fd)
+            when[i] = time.monotonic()
+    return when
+
+
+def _admit_threads() -> int:
+    return sum(thread.name == "gridcomm-p2p-admit" for thread in threading.enumerate())
+
+
+@pytest.mark.timeout(60)
+def test_idle_data_plane_sockets_are_dropped_after_the_hello_bound_and_evicted_oldest_first() -> None:
+    from gridcomm._backends.host.frames import MAX_HANDSHAKES
+    from gridcomm._backends.host.handshake import HELLO_S
+
+    low, high = _two_planes()
+    socks: list[socket.socket] = []
+    try:
+        port = high.card.port
+        # 1. One idle socket is dropped HELLO_S after its accept, not at the whole handshake's bound.
+        start = time.monotonic()
+        socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        [closed] = _closed_at(socks, 5 * HELLO_S)
+        print(f"\nan idle socket was dropped {closed - start:.2f} s after its connect (HELLO_S {HELLO_S:g} s)")
+        assert 0.8 * HELLO_S <= closed - start < HELLO_S + 1.0, closed - start
+        socks.pop().close()
+        # 2. 200 idle sockets: the newest MAX_HANDSHAKES stay pending (till their HELLO bound), the
+        # older ones are evicted as newer come; none gets a thread.
+        start = time.monotonic()
+        for _ in range(200):
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        connected = time.monotonic()
+        assert high._endpoint.pending()[0] <= MAX_HANDSHAKES
+        assert _admit_threads() == 0
+        when = _closed_at(socks, 5 * HELLO_S)
+        evicted, kept = when[: 200 - MAX_HANDSHAKES], when[200 - MAX_HANDSHAKES :]
+        print(f"200 idle sockets: the oldest {len(evicted)} were evicted within {max(evicted) - start:.2f} s, "
+              f"the newest {len(kept)} dropped {min(kept) - start:.2f}-{max(kept) - start:.2f} s after the first connect")
+        assert max(evicted) < min(kept), (max(evicted) - start, min(kept) - start)
+        assert min(kept) - start >= 0.8 * HELLO_S and max(kept) - connected < HELLO_S + 2.0
+        for sock in socks:
+            sock.close()
+        socks.clear()
+        # 3. With every pending place held by idle sockets, a dialer is admitted at once: the oldest
+        # idle socket gives up its place (the endpoint refused the dialer here before).
+        for _ in range(MAX_HANDSHAKES):
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        took = _link_and_exchange(low, high)
+        print(f"a link next to {MAX_HANDSHAKES} idle sockets took {took * 1e3:.1f} ms")
+        assert took < HELLO_S, took
+    finally:
+        for sock in socks:
+            sock.close()
+        low.close()
+        high.close()
+
+
+@pytest.mark.timeout(60)
+def test_connections_that_say_hello_but_never_prove_the_token_do_not_keep_a_dialer_out() -> None:
+    """Sockets that know a communicator's id (a valid HELLO) but not the token hold a thread each
+    until evicted: at most MAX_HANDSHAKES at once, the oldest evicted for a newcomer."""
+    from gridcomm._backends.host import plane as _p2p
+    from gridcomm._backends.host.frames import HANDSHAKE_S, MAGIC, MAX_HANDSHAKES, VERSION
+    from gridcomm._backends.host.handshake import _HELLO
+
+    low, high = _two_planes()
+    socks: list[socket.socket] = []
+    try:
+        card = _p2p.Card.decode(high.card.encode(), "rank 1")
+        hello = _HELLO.pack(MAGIC, VERSION, 0, card.id, os.urandom(16), 0, 1, b"", os.urandom(32))
+        count = MAX_HANDSHAKES + 16
+        start = time.monotonic()
+        for _ in range(count):
+            sock = socket.create_connection(("127.0.0.1", card.port), timeout=5)
+            sock.sendall(hello)
+            socks.append(sock)
+        wait_s = 5.0
+        deadline = time.monotonic() + wait_s
+        while high._endpoint.pending() != (MAX_HANDSHAKES, MAX_HANDSHAKES) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pending, threads = high._endpoint.pending(), _admit_threads()
+        assert pending == (MAX_HANDSHAKES, MAX_HANDSHAKES) and threads <= MAX_HANDSHAKES + 4, (pending, threads)
+        # The 16 oldest were evicted (each read its ACCEPT, then the end of the connection).
+        for sock in socks[:16]:
+            sock.settimeout(5)
+            data = b""
+            while True:
+                try:
+                    piece = sock.recv(4096)
+                except ConnectionResetError:
+                    piece = b""
+                if not piece:
+                    break
+                data += piece
+        evicted_s = time.monotonic() - start
+        assert evicted_s < HANDSHAKE_S / 2, evicted_s
+        took = _link_and_exchange(low, high)
+        print(f"\n{count} unproven hellos: {pending[0]} pending, {threads} handshake threads, the oldest 16 evicted in "
+              f"{evicted_s:.2f} s; a dialer's link then took {took * 1e3:.1f} ms")
+        assert took < 2.0, took
+    finally:
+        for sock in socks:
+            sock.close()
+        low.close()
+        high.close()
+    deadline = time.monotonic() + HANDSHAKE_S
+    while _admit_threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _admit_threads() == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_dropped_barrier_name_used_again_at_any_seq_is_answered_at_once() -> None:
+    """A barrier every member passed is dropped when room is needed; the name used again goes on
+    from the caller's count, and a count of 2**61 costs one instance (none before it is replayed)."""
+    from gridcomm._coordinator.state import Limits
+
+    server = gridcomm.Coordinator(world_size=1, bind="127.0.0.1", port=0, token=TOKEN,
+                                  limits=Limits(max_state_bytes=4_000, state_bytes_per_rank=0,
+                                                barrier_retain_s=0.0)).start()
+    client = gridcomm.CoordinatorClient("127.0.0.1", server.port, 0, 1, token=TOKEN, timeout_s=20.0)
+    try:
+        client.join()
+        for i in range(20):  # a job of one: each barrier passes at once, and the oldest are dropped
+            client.barrier(f"step-{i}")
+        assert "step-0" not in server.state.barriers and server.state._state_bytes() <= 4_000
+        completed = server.metrics.barriers_completed
+        began = time.monotonic()
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            reply = pb_grpc.CoordinatorStub(channel).Barrier(
+                pb.BarrierRequest(caller=client.caller, name="step-0", seq=2**61, wait_s=5.0),
+                metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10.0)
+        assert reply.seq == 2**61 and time.monotonic() - began < 5.0
+        assert server.metrics.barriers_completed == completed + 1
+    finally:
+        client.close()
+        server.stop()
+
+
+# ==============================================================================================
+# Connection limits the unauthenticated cannot fill (issue 27, items 2 and 3): idle HTTP/2
+# connections held against the coordinator's port and a health port, by a caller without the
+# token; real `gridcomm serve` and rank processes, real sockets on loopback.
+# ==============================================================================================
+
+import contextlib  # noqa: E402 - here, not at the top: this block is appended to a file other tests share
+
+#: The attack of item 2: more idle connections than the old cap (4 x world size + 1024).
+IDLE_COORDINATOR_CONNECTIONS = 1_100
+#: The attack of item 3: more idle connections than a health port's old cap (256).
+IDLE_HEALTH_CONNECTIONS = 300
+#: What the README states for a health port: a connection with no call open is closed after
+#: 3 s, and a health request not sent within 5 s of its call's headers is refused.
+HEALTH_IDLE_S = 3.0
+HEALTH_READ_S = 5.0
+#: Requests a health server reads at once (unchanged from before this block).
+MAX_HEALTH_READS = 32
+JOINER = """
+import sys, time
+import gridcomm
+start = time.monotonic()
+client = gridcomm.CoordinatorClient("127.0.0.1", int(sys.argv[1]), int(sys.argv[2]), 2, token=sys.argv[3], timeout_s=15.0)
+client.join()
+print(f"joined in {time.monotonic() - start:.3f} s", flush=True)
+client.leave()
+client.close()
+"""
+
+
+def _enough_descriptors(need: int) -> None:
+    """Raises this process's soft open-file limit to what the test needs (children inherit it)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            pytest.skip(f"the open-file hard limit is {hard}; this test needs {need}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+def _idle_h2(port: int, count: int, tls: Any = None) -> list[socket.socket]:
+    """``count`` connections that each send the HTTP/2 preface, SETTINGS and the ACK of the
+    server's SETTINGS (so only idleness can end them), then nothing; ``tls``: an SSLContext.
+    Those the server refuses at once (a TLS handshake cut short) are left out."""
+    hello = PREFACE + h2_frame(SETTINGS, 0, 0, b"") + h2_frame(SETTINGS, 0x1, 0, b"")
+    socks = []
+    try:
+        for _ in range(count):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10.0)
+            try:
+                if tls is not None:
+                    sock = tls.wrap_socket(sock, server_hostname="localhost")
+                sock.sendall(hello)
+            except OSError:
+                sock.close()
+                continue
+            socks.append(sock)
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+def _closed_by_server(socks: list[socket.socket], timeout_s: float) -> list[float]:
+    """When the server closed each connection (EOF or reset; what it sends before is read and
+    dropped), in monotonic seconds; inf for those still open after ``timeout_s``."""
+    import select
+
+    when = [float("inf")] * len(socks)
+    fds = {sock.fileno(): i for i, sock in enumerate(socks)}
+    for sock in socks:
+        sock.setblocking(False)
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while fds and time.monotonic() < deadline:
+        for fd, _ in poller.poll(50):
+            i = fds[fd]
+            try:
+                data = socks[i].recv(65536)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                del fds[fd]
+                poller.unregister(fd)
+                when[i] = time.monotonic()
+    return when
+
+
+@contextlib.contextmanager
+def _serving(tmp_path: Any, env: dict[str, str]) -> Iterator[Served]:
+    """``gridcomm serve`` for 2 ranks with the token, a health port and ``env``; killed by PID."""
+    full = dict(os.environ, GRIDCOMM_TOKEN=TOKEN, GRIDCOMM_HEALTH_PORT=str(free_port()), PYTHONUNBUFFERED="1", **env)
+    stderr_path = str(tmp_path / "serve.stderr")
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gridcomm", "serve", "--world-size", "2", "--bind", "127.0.0.1", "--port", "0"],
+            cwd=ROOT, env=full, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        match = re.search(r"listening on 127\.0\.0\.1:(\d+) \((?:TLS; plaintext )?health on port (\d+)\)", line)
+        if not match:
+            with open(stderr_path) as f:
+                raise AssertionError(f"unexpected first line from gridcomm serve: {line!r}; stderr: {f.read()[-2000:]}")
+        yield Served(proc, int(match.group(1)), int(match.group(2)), stderr_path)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _probe(port: int) -> tuple[int, str, float]:
+    """``gridcomm probe`` as a process of its own, as the manifests' exec probes run it."""
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "gridcomm", "probe", f"127.0.0.1:{port}", "--timeout-s", "5"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=30)
+    return out.returncode, (out.stdout + out.stderr).strip(), time.monotonic() - start
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("transport", ["plaintext", "tls"])
+def test_idle_connections_do_not_keep_a_token_holder_out(tmp_path: Any, pki: dict[str, str], transport: str) -> None:
+    import ssl
+
+    from tests.support.tls import tls_env
+
+    _enough_descriptors(4 * IDLE_COORDINATOR_CONNECTIONS)
+    env = tls_env(pki) if transport == "tls" else {}
+    tls = None
+    if transport == "tls":
+        tls = ssl.create_default_context(cafile=pki["ca"] + ".pem")
+        tls.set_alpn_protocols(["h2"])
+    with _serving(tmp_path, env) as served, contextlib.ExitStack() as held:
+        base = served.reset_peak()
+        start = time.monotonic()
+        socks = _idle_h2(served.port, IDLE_COORDINATOR_CONNECTIONS, tls)
+        held.callback(lambda: [sock.close() for sock in socks])
+        opened = time.monotonic() - start
+        # Both ranks join as new processes while every idle connection is held (rank 1's is what a
+        # killed rank's replacement does); each must be in within a short bound, not its timeout.
+        joiners = [subprocess.Popen([sys.executable, "-c", JOINER, str(served.port), str(rank), TOKEN], cwd=ROOT,
+                                    env=dict(os.environ, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True) for rank in range(2)]
+        for proc in joiners:
+            held.callback(proc.kill)
+        results = [proc.communicate(timeout=40) + (proc.returncode,) for proc in joiners]
+        still_open = sum(when == float("inf") for when in _closed_by_server(socks, 0.2))
+        growth = served.peak_growth_mb(base)
+        code, said, _ = _probe(served.health_port)
+        print(f"\n{transport}: {len(socks)} of {IDLE_COORDINATOR_CONNECTIONS} idle HTTP/2 connections opened in "
+              f"{opened:.2f} s ({still_open} still open after the joins); joins: "
+              f"{[r[0].strip() or r[1].strip()[-200:] for r in results]}; peak RSS +{growth:.1f} MB")
+        for out, err, rc in results:
+            assert rc == 0 and "joined in" in out, (rc, out, err[-2000:])
+            assert float(out.split()[2]) < 5.0, out
+        assert still_open == IDLE_COORDINATOR_CONNECTIONS  # the attack was in place throughout
+        assert code == 0, said
+        assert growth <= RSS_BOUND_MB, f"peak RSS grew by {growth:.1f} MB (bound {RSS_BOUND_MB} MB)"
+
+
+@contextlib.contextmanager
+def _rank_health_port() -> Iterator[int]:
+    """A rank's health server (GRIDCOMM_HEALTH_PORT) in a process of its own, before any join."""
+    port = free_port()
+    code = ("import sys, time, gridcomm\n"
+            "print(gridcomm.start_health_server(int(sys.argv[1])), flush=True)\n"
+            "time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(port)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == str(port)
+        yield port
+    finally:
+        proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["coordinator", "rank"])
+def test_idle_connections_on_a_health_port_do_not_fail_its_probe(tmp_path: Any, where: str) -> None:
+    _enough_descriptors(4 * IDLE_HEALTH_CONNECTIONS)
+    with contextlib.ExitStack() as stack:
+        port = (stack.enter_context(_serving(tmp_path, {})).health_port if where == "coordinator"
+                else stack.enter_context(_rank_health_port()))
+        probes, opened_at = [], 0.0
+        socks: list[socket.socket] = []
+        stack.callback(lambda: [sock.close() for sock in socks])
+        for _ in range(3):
+            # A fresh batch before each probe, as an attacker that reconnects would hold them.
+            for sock in socks:
+                sock.close()
+            opened_at = time.monotonic()
+            socks = _idle_h2(port, IDLE_HEALTH_CONNECTIONS)
+            probes.append(_probe(port))
+        when = _closed_by_server(socks, 3 * HEALTH_IDLE_S + 5.0)
+        after = sorted(w - opened_at for w in when)
+        print(f"\n{where} health port, {IDLE_HEALTH_CONNECTIONS} idle connections: probes "
+              f"{[(rc, round(took, 2)) for rc, _, took in probes]}; the last batch closed by the server "
+              f"{after[0]:.2f}-{after[-1]:.2f} s after it was opened (idle timeout {HEALTH_IDLE_S:g} s)")
+        assert [rc for rc, _, _ in probes] == [0, 0, 0], probes
+        # gRPC closes a connection that never made a call at the idle timeout, +-10% jitter.
+        assert after[-1] <= 1.1 * HEALTH_IDLE_S + 1.0, after[-5:]
+        assert after[0] >= 0.85 * HEALTH_IDLE_S, after[:5]
+
+
+def _stalled_checks(port: int, count: int) -> list[socket.socket]:
+    """``count`` connections, each with a health Check whose request message never comes."""
+    block = b"".join(hpack_literal(n, v) for n, v in [
+        (b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/grpc.health.v1.Health/Check"),
+        (b":authority", b"127.0.0.1"), (b"content-type", b"application/grpc"), (b"te", b"trailers")])
+    socks = []
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10.0)
+        sock.sendall(PREFACE + h2_frame(SETTINGS, 0, 0, b"") + h2_frame(SETTINGS, 0x1, 0, b"")
+                     + h2_frame(HEADERS, END_HEADERS, 1, block))
+        socks.append(sock)
+    return socks
+
+
+@pytest.mark.timeout(120)
+def test_health_calls_that_never_send_their_request_do_not_fail_the_probe(served: Served) -> None:
+    count = 2 * MAX_HEALTH_READS
+    socks = []
+    try:
+        start = time.monotonic()
+        socks = _stalled_checks(served.health_port, count)
+        code, said, took = _probe(served.health_port)
+        when = _closed_by_server(socks, HEALTH_READ_S + 3 * HEALTH_IDLE_S + 5.0)
+        after = sorted(w - start for w in when)
+        print(f"\n{count} health Checks that never send their request: probe rc {code} in {took:.2f} s; their "
+              f"connections closed by the server {after[0]:.2f}-{after[-1]:.2f} s after they were opened")
+        assert code == 0, said
+        # A stalled read ends within HEALTH_READ_S; its connection is then closed within two idle
+        # periods (gRPC looks at idleness once per period), +-10% jitter.
+        assert after[-1] <= HEALTH_READ_S + 2.2 * HEALTH_IDLE_S + 1.0, after[-5:]
+    finally:
+        for sock in socks:
+            sock.close()
+    assert_still_serving(served, "after the stalled health calls")
+
+
+def _soft_open_files(pid: int) -> int:
+    with open(f"/proc/{pid}/limits") as f:
+        match = re.search(r"^Max open files\s+(\d+)\s+(\d+|unlimited)", f.read(), re.M)
+    assert match
+    return int(match.group(1))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("soft,hard", [(512, 8192), (512, 512)])
+def test_the_coordinator_raises_its_open_file_limit_or_says_it_is_too_low(tmp_path: Any, soft: int, hard: int) -> None:
+    import resource
+
+    ours = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if ours != resource.RLIM_INFINITY and ours < hard:
+        pytest.skip(f"the open-file hard limit is {ours}, below {hard}")
+    # The limits are set by a launcher that then execs `gridcomm serve` (no preexec_fn: this
+    # process has threads).
+    launcher = ("import os, resource, sys\n"
+                "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2])))\n"
+                "os.execv(sys.executable, [sys.executable, '-m', 'gridcomm', *sys.argv[3:]])\n")
+    stderr_path = tmp_path / "serve.stderr"
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", launcher, str(soft), str(hard),
+             "serve", "--world-size", "200", "--bind", "127.0.0.1", "--port", "0"],
+            cwd=ROOT, env=dict(os.environ, GRIDCOMM_TOKEN=TOKEN, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+            stderr=stderr, text=True)
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert "listening on" in line, (line, stderr_path.read_text()[-2000:])
+        raised = _soft_open_files(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    said = stderr_path.read_text()
+    print(f"\nsoft {soft} / hard {hard}: the coordinator's soft limit is {raised}; warned: {'open-file limit' in said}")
+    assert raised == hard
+    # 200 ranks need 4 x 200 + 1024 connections; half of 512 descriptors is far below that.
+    assert ("open-file limit" in said) == (hard == 512), said[-2000:]

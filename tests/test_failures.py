@@ -4,9 +4,12 @@ failures; restarted processes are refused; per-rank health turns NOT_SERVING."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import signal
 import socket
+import threading
 import time
 
 import grpc
@@ -259,3 +262,136 @@ except gridcomm.AuthenticationError as exc:
     results = RankProcesses(code, 2, env=env(GRIDCOMM_TOKEN="right", GRIDCOMM_TIMEOUT_S="3")).wait(30)
     assert "AUTH" in results[1].stdout and "token is wrong" in results[1].stdout, report(results)
     assert "right" not in results[0].stderr.replace("GRIDCOMM_TOKEN", "")  # the coordinator never logs the token
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_the_embedded_coordinators_death_is_named_within_the_connection_grace(sig):
+    # The default liveness bound (15 s): rank 0's death must show as its dropped connection (the
+    # 2 s grace), not as the coordinator's silence. SIGTERM is what a pod deletion or drain sends.
+    code = WAIT_IN_COLLECTIVE.replace("ACTION", f"os.kill(os.getpid(), {int(sig)})")
+    results = RankProcesses(code, 3, env=env(VICTIM="0", GRIDCOMM_HEARTBEAT_TIMEOUT_S="15")).wait(60)
+    assert results[0].returncode == -sig, report(results)
+    for _rank, (kind, failed, after, msg) in outcomes(results, [1, 2]).items():
+        assert kind == "CoordinatorLost" and failed == "0", report(results)
+        assert "dropped this rank's connection" in msg and "has not answered" not in msg, report(results)
+        # Measured 2.0-2.1 s from the kill; generous for a loaded machine, far below the 15 s bound.
+        assert after < 8.0, report(results)
+
+
+class CuttingProxy:
+    """Forwards a port to the coordinator; ``cut(refuse_s)`` drops every connection and refuses
+    new ones for ``refuse_s`` (a live coordinator's port that flaps), then forwards again."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self._upstream = upstream_port
+        self.port = free_port()
+        self.accepted = 0
+        self._lock = threading.Lock()
+        self._open: list[socket.socket] = []
+        self._listener: socket.socket | None = None
+        self._listen()
+
+    def _listen(self) -> None:
+        listener = socket.create_server(("127.0.0.1", self.port))
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                down, _ = listener.accept()
+            except OSError:
+                return  # closed by cut() or close()
+            try:
+                up = socket.create_connection(("127.0.0.1", self._upstream), timeout=5.0)
+            except OSError:
+                down.close()  # rank 0's coordinator is not listening yet: the dialler tries again
+                continue
+            up.settimeout(None)
+            with self._lock:
+                self.accepted += 1
+                self._open += [down, up]
+            for src, dst in ((down, up), (up, down)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _drop(self) -> None:
+        with self._lock:
+            socks, self._open = self._open, []
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def cut(self, refuse_s: float) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        self._drop()
+        time.sleep(refuse_s)
+        self._listen()
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        self._drop()
+
+
+STEADY_STEPS = PRELUDE + """
+comm = gridcomm.init_process_group()
+x = np.ones(4)
+t0 = time.monotonic()
+try:
+    comm.all_reduce(x, x)
+    open(os.path.join(os.environ["READY_DIR"], str(rank)), "w").close()
+    for _ in range(int(os.environ["STEPS"])):
+        x[:] = 1.0
+        comm.all_reduce(x, x)
+        assert x[0] == world
+        time.sleep(0.05)
+    comm.barrier("end")
+    print("DONE", flush=True)
+except gridcomm.GridcommError as exc:
+    outcome(exc, t0)
+comm.stop()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_live_embedded_coordinator_whose_connections_drop_for_a_moment_fails_nobody(tmp_path):
+    # Ranks 1 and 2 reach rank 0's coordinator through a proxy that cuts their connections and
+    # refuses new ones for 0.5 s: they dial again within the grace, and nobody is failed (the
+    # coordinator sees their held heartbeats dropped, and hears them again within its grace too).
+    port = free_port()
+    proxy = CuttingProxy(port)
+    base = env(STEPS="120", GRIDCOMM_HEARTBEAT_TIMEOUT_S="15", READY_DIR=str(tmp_path))
+    base["GRIDCOMM_PORT"] = str(port)
+    ranks = RankProcesses(STEADY_STEPS, 3, env=base, per_rank_env={1: {"GRIDCOMM_PORT": str(proxy.port)},
+                                                                    2: {"GRIDCOMM_PORT": str(proxy.port)}})
+    try:
+        deadline = time.monotonic() + 40
+        while len(os.listdir(tmp_path)) < 3:  # every rank is past its first collective
+            if time.monotonic() > deadline or any(p.poll() is not None for p in ranks.procs.values()):
+                pytest.fail("not every rank got ready:\n" + report(ranks.wait(5)))
+            time.sleep(0.05)
+        before = proxy.accepted
+        time.sleep(0.5)
+        proxy.cut(0.5)
+        results = ranks.wait(60)
+    finally:
+        ranks.close()
+        proxy.close()
+    for rank in range(3):
+        assert results[rank].returncode == 0 and "DONE" in results[rank].stdout, report(results)
+        assert "OUTCOME" not in results[rank].stdout, report(results)
+    assert proxy.accepted > before, "ranks 1 and 2 dialled the coordinator again after the cut"

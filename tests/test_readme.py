@@ -54,7 +54,7 @@ def test_the_wheel_builds_installs_and_runs_the_first_program(tmp_path):
     (wheel,) = wheels.glob("gridcomm-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in ("gridcomm/__init__.py", "gridcomm/py.typed", "gridcomm/_proto/coordinator_pb2.py",
-                   "gridcomm/_proto/coordinator_pb2_grpc.py"):
+                   "gridcomm/_proto/coordinator_pb2_grpc.py", "gridcomm/_proto/coordinator.proto"):
         assert needed in names, f"{needed} is not in {wheel.name}"
     assert not any(n.startswith("tests/") for n in names), "the wheel ships the tests"
     site = tmp_path / "site"

@@ -435,3 +435,33 @@ def test_a_rebuild_ends_at_its_own_timeout_s_not_the_inits(coordinator_factory, 
         assert gave_up["kind"] == "RendezvousTimeout", everything
         # Measured, not tight: well under the 300 s default, and not before the 5 s asked for.
         assert 4.0 <= gave_up["after_s"] < 5.0 + 15.0, everything
+
+
+@pytest.mark.timeout(180)
+def test_a_death_during_the_rebuild_is_seen_by_its_dropped_connection_within_the_grace(coordinator_factory):
+    # The default bound: a death found only by its silence takes 10-15 s there, one found by its
+    # dropped connection the 2 s grace. Rank 3 dies 0.5 s into the survivors' rebuild(), when the
+    # generation is failed: its heartbeat must still have been held at the coordinator.
+    bound = 15.0
+    server = coordinator_factory(WORLD, heartbeat_timeout_s=bound)
+    job = Run(server, RECOVERY="rebuild", DIE_RANK="2", DIE_IN_RECOVERY="3", GRIDCOMM_HEARTBEAT_TIMEOUT_S=f"{bound:g}")
+    try:
+        job.died(2)
+        job.replace(2)
+        job.died(3)
+        job.replace(3)
+        first, (again2, again3) = job.wait(150)
+    finally:
+        job.close()
+    everything = report(first) + report(again2) + report(again3)
+    check_finished(first, [0, 1], [0, 1, 2, 3], 1, everything)
+    check_finished(again2, [2], [0, 1, 2, 3], 1, everything)
+    check_finished(again3, [3], [0, 1, 2, 3], 1, everything)
+    state = server.state
+    (failure,) = [f for f in state.past_failures + state.failures if f.rank == 3]
+    (dying,) = lines(first[3].stdout, "DYING")
+    seen_after = time.time() - (time.monotonic() - failure.at) - dying["at"]
+    assert "lost its connection" in failure.reason, f"{failure.reason}\n{everything}"
+    # Measured 2.0 s; generous for a loaded 2-core machine, far below the ~15 s of the silence bound.
+    assert seen_after < 8.0, f"seen {seen_after:.2f} s after the death: {failure.reason}\n{everything}"
+    print(f"\nrank 3 killed during the rebuild: marked failed {seen_after:.2f} s after its death ({failure.reason})")

@@ -308,8 +308,11 @@ def test_a_relay_of_the_tree_dies_with_its_rank_and_that_rank_is_named(coordinat
         time.sleep(1.5)
         os.kill(ranks.procs[1].pid, signal.SIGKILL)  # ranks 8..15: rank 8 hosts their relay
         results = ranks.wait(60)
-        failed = {f.rank for f in server.state.failures}
-        assert failed and failed <= set(range(8, 16)), [f.reason for f in server.state.failures]
+        failures = list(server.state.failures)
+        # The first failure is of the killed group; survivors that exit after it without leaving
+        # may be recorded after it (their connections drop), never as silent.
+        assert failures and 8 <= failures[0].rank < 16, [f.reason for f in failures]
+        assert all(8 <= f.rank < 16 or "lost its connection" in f.reason for f in failures), [f.reason for f in failures]
         for proc in (0, 2, 3):
             out = last_json(results[proc])
             # Every other rank, whether it went through a relay or not, learns of the failure.

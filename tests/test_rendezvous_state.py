@@ -113,7 +113,7 @@ def test_rebuild_admits_a_replacement_into_the_next_generation_only():
     assert all(state.recovery_check(r, 100 + r if r != 2 else 555, 1) for r in range(4))
     # A survivor that re-polls its recovery gets the new generation; the old process is refused.
     assert state.join("job", 0, 4, 100, "h0", now=14.0, base=1, mode="rebuild") is False
-    with pytest.raises(StateError, match="incarnation"):
+    with pytest.raises(StateError, match="process"):
         state.check_caller("job", 2, 102, 2, "set")
     assert state.check_caller("job", 2, 555, 2, "set").hostname == "h2b"
 
@@ -216,7 +216,7 @@ def test_a_heartbeat_speaks_for_the_process_across_generations():
 def test_check_caller_refuses_old_incarnation_and_generation():
     state = joined(2)
     assert state.check_caller("job", 0, 100, 1, "set").rank == 0
-    with pytest.raises(StateError, match="incarnation"):
+    with pytest.raises(StateError, match="process"):
         state.check_caller("job", 0, 101, 1, "set")
     with pytest.raises(StateError, match="generation 0"):
         state.check_caller("job", 0, 100, 0, "set")
@@ -352,7 +352,7 @@ def test_leaving_twice_is_answered_as_the_first_time_but_only_for_the_same_proce
     state.depart("job", 1, 101, 1, now=1.0)
     state.depart("job", 1, 101, 1, now=2.0)  # its first answer was lost: the same answer
     assert state.members[1].state is MemberState.LEFT and state.left_count == 1
-    with pytest.raises(StateError, match="incarnation"):
+    with pytest.raises(StateError, match="process"):
         state.depart("job", 1, 999, 1, now=3.0)  # another process for the rank
     with pytest.raises(StateError):
         state.depart("other-job", 0, 100, 1, now=3.0)
@@ -549,3 +549,171 @@ def test_a_rank_that_leaves_before_the_rendezvous_is_not_a_member():
         state.depart("job", 1, 12, 0, 2.5)
     assert state.join("job", 1, 3, 14, "b2", 3.0)  # a new process for rank 1 completes it
     assert state.complete and state.members[1].incarnation == 14
+
+
+# ------------------------------------------------------------------ bounded state (issue 27, items 4 and 5)
+
+
+def test_a_barrier_every_member_passed_keeps_only_its_count_and_counts_on():
+    state = joined(3)
+    for rank in range(3):
+        state.arrive("b", rank, 1, now=1.0)
+    passed = state.barriers["b"]
+    # Every member passed #1: its per-rank counts are freed, what it costs is its name and a few words.
+    assert passed.arrived is None and passed.completed == 1 and state.pending_barrier_count == 0
+    assert state._barrier_bytes < 1024
+    assert state.arrive("b", 1, 1, now=2.0) == 1  # a repeated arrival (a wait's next slice) is done
+    assert state.barrier_missing("b", 1) == [] and list(state.pending_barriers(now=2.0)) == []
+    assert state.arrive("b", 0, 2, now=3.0) == 1  # the name's next instance counts on from #1
+    assert state.pending_barrier_count == 1 and state.barrier_missing("b", 2) == [1, 2]
+    with pytest.raises(StateError, match="count up by one"):
+        state.arrive("b", 1, 3, now=3.0)
+    state.arrive("b", 1, 2, now=3.0)
+    assert state.arrive("b", 2, 2, now=4.0) == 2 and state.barriers["b"].arrived is None
+
+
+def test_pending_barriers_are_limited_and_a_refused_one_leaves_no_trace():
+    state = JobState(2, "job", now=0.0, limits=Limits(max_pending_barriers=3))
+    for r in range(2):
+        state.join("job", r, 2, 100 + r, "h", now=0.0)
+    for i in range(3):
+        state.arrive(f"b{i}", 0, 1, now=float(i))
+    with pytest.raises(StateError) as full:
+        state.arrive("b3", 1, 1, now=5.0)
+    assert full.value.code == RESOURCE_EXHAUSTED and "3 barriers wait for ranks that have not arrived" in full.value.message
+    assert "b3" not in state.barriers and state.pending_barrier_count == 3
+    state.arrive("b0", 1, 1, now=6.0)  # b0 completes: a name that was passed is not pending
+    assert state.arrive("b3", 1, 1, now=7.0) == 0
+    # A passed name opening its next instance is a pending barrier again, within the same limit.
+    with pytest.raises(StateError) as again:
+        state.arrive("b0", 0, 2, now=8.0)
+    assert again.value.code == RESOURCE_EXHAUSTED and state.barriers["b0"].arrived is None
+    assert state.arrive("b0", 1, 1, now=8.5) == 1  # its repeated arrival is still answered
+
+
+def test_one_rank_that_opens_barriers_nobody_reaches_is_refused_and_the_others_go_on():
+    state = JobState(3, "job", now=0.0, limits=Limits(max_pending_barriers_per_rank=2))
+    for r in range(3):
+        state.join("job", r, 3, 100 + r, "h", now=0.0)
+    state.arrive("leak-0", 2, 1, now=1.0)
+    state.arrive("leak-1", 2, 1, now=1.0)
+    with pytest.raises(StateError) as refused:
+        state.arrive("leak-2", 2, 1, now=1.0)
+    assert refused.value.code == RESOURCE_EXHAUSTED and "rank 2 has opened 2 barriers" in refused.value.message
+    state.arrive("step", 0, 1, now=2.0)  # another rank opens one
+    for r in (1, 2):  # rank 2 arriving where another rank opened it is not opening one
+        state.arrive("step", r, 1, now=3.0)
+    assert state.barriers["step"].completed == 1
+    for r in (0, 1):  # once a barrier rank 2 opened passes, its share is free again
+        state.arrive("leak-0", r, 1, now=4.0)
+    assert state.arrive("leak-2", 2, 1, now=5.0) == 0
+
+
+def test_the_oldest_pending_barrier_and_the_count_are_kept_not_scanned():
+    state = joined(2, now=0.0)
+    assert state.pending_barrier_count == 0 and state.oldest_barrier_wait(now=1.0) == 0.0
+    state.arrive("x", 0, 1, now=10.0)
+    state.arrive("y", 0, 1, now=11.0)
+    state.arrive("z", 1, 1, now=12.0)
+    assert state.pending_barrier_count == 3 and state.oldest_barrier_wait(now=20.0) == pytest.approx(10.0)
+    assert [row[0] for row in state.pending_barriers(now=20.0)] == ["x", "y", "z"]  # longest-waiting first
+    state.arrive("x", 1, 1, now=21.0)
+    assert state.pending_barrier_count == 2 and state.oldest_barrier_wait(now=21.0) == pytest.approx(10.0)
+    state.arrive("y", 1, 1, now=22.0)
+    assert state.oldest_barrier_wait(now=25.0) == pytest.approx(13.0)  # z, since 12.0
+    state.arrive("z", 0, 1, now=23.0)
+    assert state.pending_barrier_count == 0 and state.oldest_barrier_wait(now=23.0) == 0.0
+
+
+def test_a_pending_barrier_counts_8_bytes_a_member_against_the_budget():
+    world = 1024
+    state = JobState(world, "job", now=0.0, limits=Limits(max_state_bytes=1_000_000, state_bytes_per_rank=0))
+    for r in range(world):
+        state.join("job", r, world, 100 + r, "h", now=0.0)
+    opened = 0
+    with pytest.raises(StateError) as full:
+        for i in range(1000):
+            state.arrive(f"n{i}", 0, 1, now=1.0)
+            opened += 1
+    # Each costs its 8 KiB of counts and its bookkeeping: about 1,000,000 / 8,700 of them fit.
+    assert full.value.code == RESOURCE_EXHAUSTED and "barriers" in full.value.message
+    assert 100 <= opened <= 122 and state._state_bytes() <= 1_000_000
+    with pytest.raises(StateError) as no_key:  # keys share the one budget
+        state.set("k", b"x" * 10_000)
+    assert no_key.value.code == RESOURCE_EXHAUSTED
+    # A group's barrier costs its members, not the world.
+    small = JobState(world, "job", now=0.0)
+    for r in range(world):
+        small.join("job", r, world, 100 + r, "h", now=0.0)
+    small.arrive("pair", 3, 1, now=1.0, participants=[3, 700])
+    assert small._barrier_bytes < 1024 and small.barrier_missing("pair", 1) == [700]
+    assert small.arrive("pair", 700, 1, now=2.0, participants=[3, 700]) == 1
+
+
+def test_passed_barriers_are_dropped_oldest_first_after_their_retention():
+    # Passed barriers may hold a quarter of the budget; past it the oldest go, once retained 10 s.
+    state = JobState(1, "job", now=0.0, limits=Limits(max_state_bytes=40_000, state_bytes_per_rank=0,
+                                                       barrier_retain_s=10.0))
+    state.join("job", 0, 1, 100, "h", now=0.0)
+    for i in range(100):
+        assert state.arrive(f"step-{i}", 0, 1, now=float(i) / 100) == 1  # a barrier of one: passed at once
+    assert len(state.barriers) == 100 and state._barrier_bytes > 10_000  # all within their retention
+    assert state.arrive("step-0", 0, 1, now=1.0) == 1  # so a repeated arrival is still answered
+    state.arrive("later", 0, 1, now=20.0)
+    assert "step-0" not in state.barriers and "later" in state.barriers
+    assert state._passed_bytes <= 10_000 and state._state_bytes() <= 40_000
+    # A dropped name the job uses again (every member had passed it) counts on from the caller's seq.
+    assert state.arrive("step-0", 0, 2, now=21.0) == 2
+    assert state.barriers["step-0"].completed == 2
+
+
+def test_a_passed_barrier_is_dropped_to_make_room_for_a_pending_one():
+    state = JobState(2, "job", now=0.0, limits=Limits(max_state_bytes=8_000, state_bytes_per_rank=0,
+                                                       barrier_retain_s=5.0))
+    for r in range(2):
+        state.join("job", r, 2, 100 + r, "h", now=0.0)
+    for i in range(6):  # each pending barrier costs ~600 bytes, a passed one ~300
+        state.arrive(f"done-{i}", 0, 1, now=0.0, participants=[0])
+    state.set("filler", b"x" * 5_000)
+    with pytest.raises(StateError) as full:  # nothing may be dropped yet: all passed just now
+        state.arrive("open", 0, 1, now=1.0)
+    assert full.value.code == RESOURCE_EXHAUSTED and "open" not in state.barriers
+    assert state.arrive("open", 0, 1, now=6.0) == 0  # after their retention, passed ones make room
+    assert "done-0" not in state.barriers and state._state_bytes() <= 8_000
+
+
+def test_key_bytes_count_in_the_budget():
+    # 1,000-character keys with empty values: each costs its key and its entries, counted.
+    state = JobState(1, "job", now=0.0, limits=Limits(max_state_bytes=300_000, state_bytes_per_rank=0,
+                                                       max_key_bytes=1024))
+    stored = 0
+    with pytest.raises(StateError) as full:
+        for i in range(10_000):
+            state.set(f"k{i}".ljust(1000, "x"), b"")
+            stored += 1
+    assert full.value.code == RESOURCE_EXHAUSTED and "keys" in full.value.message
+    assert 200 <= stored <= 300 and state._state_bytes() <= 300_000
+    state.set("k0".ljust(1000, "x"), b"")  # a key set again costs nothing more
+    # A value in pieces counts its announced size from its first piece.
+    roomy = JobState(2, "job", now=0.0, limits=Limits(max_state_bytes=100_000, state_bytes_per_rank=0))
+    roomy.set_piece(0, "big", 0, 80_000, b"a")
+    with pytest.raises(StateError) as no_room:
+        roomy.set("other", b"x" * 30_000)
+    assert no_room.value.code == RESOURCE_EXHAUSTED
+    roomy.fail(0, "gone", reported_by=-1, now=1.0)  # its pieces are dropped, and so is their cost
+    assert roomy._state_bytes() == 0
+
+
+def test_the_default_budget_is_a_quarter_of_the_shipped_coordinator_pod_and_grows_with_the_world():
+    limits = Limits()
+    assert limits.state_budget(2) == 256 * 1024 * 1024 + 2 * 1024
+    assert limits.state_budget(1_048_576) == 256 * 1024 * 1024 + 1024 * 1024 * 1024
+    state = JobState(2, "job", now=0.0)
+    for r in range(2):
+        state.join("job", r, 2, 100 + r, "h", now=0.0)
+    state.set("k", b"v" * 100)
+    state.arrive("b", 0, 1, now=1.0)
+    assert state._state_bytes() > 0
+    state.fail(1, "gone", reported_by=-1, now=2.0)
+    state.join("job", 0, 2, 100, "h", now=3.0, base=1, mode="shrink")  # a recovery starts with nothing
+    assert state.generation == 2 and state._state_bytes() == 0 and state.pending_barrier_count == 0

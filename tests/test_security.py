@@ -223,3 +223,52 @@ print("OK", flush=True)
     for rank in (0, 1):
         assert results[rank].returncode == 0 and "OK" in results[rank].stdout, report(results)
         assert f"CHILD {expected}" in results[rank].stdout, report(results)
+
+
+@pytest.mark.timeout(60)
+def test_a_token_holder_cannot_learn_an_incarnation_or_act_as_another_rank(coordinator_factory):
+    """Status, the join answer and every refusal show a process tag, never the incarnation that
+    proves a call comes from a rank's process; forged heartbeats and failure reports for another
+    rank are refused and change nothing."""
+    from gridcomm._proto import coordinator_pb2 as pb
+    from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+
+    server = coordinator_factory(2, token="t0ken", heartbeat_timeout_s=30)
+    clients = [gridcomm.CoordinatorClient("127.0.0.1", server.port, r, 2, token="t0ken", timeout_s=20)
+               for r in range(2)]
+    try:
+        joins = [threading.Thread(target=c.join) for c in clients]
+        for t in joins:
+            t.start()
+        for t in joins:
+            t.join(30)
+        secret = clients[1].incarnation
+        auth = (("authorization", "Bearer t0ken"),)
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            status = stub.Status(pb.StatusRequest(), metadata=auth, timeout=10)
+            assert len(status.members) == 2
+            assert all(m.incarnation == 0 and len(m.process_tag) == 8 for m in status.members), status.members
+            assert len({m.process_tag for m in status.members}) == 2
+            assert f"{secret:x}" not in str(status) and str(secret) not in str(status)
+            # A second process for rank 1: refused, and the refusal does not name the holder's incarnation.
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Join(pb.JoinRequest(job_id=status.job_id, rank=1, world_size=2, incarnation=12345,
+                                         hostname="intruder", wait_s=0.2), metadata=auth, timeout=10)
+            assert f"{secret:x}" not in (refused.value.details() or "")
+            # What Status shows, used as rank 1's identity: refused.
+            for shown in (0, int(status.members[1].process_tag, 16)):
+                forged = pb.Caller(job_id=status.job_id, rank=1, incarnation=shown, generation=status.generation)
+                for rpc, request in (("Heartbeat", pb.HeartbeatRequest(caller=forged, wait_s=0)),
+                                     ("ReportFailure", pb.ReportFailureRequest(caller=forged, reason="forged"))):
+                    with pytest.raises(grpc.RpcError) as info:
+                        getattr(stub, rpc)(request, metadata=auth, timeout=10)
+                    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, (rpc, info.value.details())
+                    assert f"{secret:x}" not in (info.value.details() or "")
+            after = stub.Status(pb.StatusRequest(), metadata=auth, timeout=10)
+            assert not after.failures and after.serving, after
+        for c in clients:
+            c.leave()
+    finally:
+        for c in clients:
+            c.close()

@@ -65,7 +65,7 @@ def render(reply: pb.StatusResponse, refusals: Sequence[RefusedJoin] = ()) -> li
     last = {p.rank: p for p in reply.progress if p.communicator == "world"}
     for m in list(reply.members)[:256]:
         seen = f"  last {_last(last[m.rank])}" if m.rank in last else ""
-        lines.append(f"  rank {m.rank:>5}  {_STATES.get(m.state, '?'):<7} {m.hostname}  incarnation {m.incarnation:#018x}"
+        lines.append(f"  rank {m.rank:>5}  {_STATES.get(m.state, '?'):<7} {m.hostname}  process {m.process_tag or '?'}"
                      f"{seen}")
     if len(reply.members) > 256:
         lines.append(f"  ... {len(reply.members) - 256} more")

@@ -161,6 +161,8 @@ class CoordinatorClient:
         self.coordinator_rank = coordinator_rank
         #: The first failure this generation's watcher reported (a peer's, or the coordinator lost).
         self.failure: GridcommError | None = None
+        #: A failure the watcher reported for a later generation than this rank's (see watched).
+        self._ahead: tuple[int, GridcommError] | None = None
         self._on_failure: Callable[[GridcommError], None] | None = None
         self._failure_lock = threading.Lock()
         self._watcher: Watcher | None = None
@@ -391,7 +393,9 @@ class CoordinatorClient:
         with self._failure_lock:
             self.generation = response.generation
             self.members = tuple(response.member_ranks) or tuple(range(self.world_size))
-            self.failure = None
+            ahead, self._ahead = self._ahead, None
+            # The new communicator's handler hears of it when it is set (on_failure).
+            self.failure = ahead[1] if ahead is not None and ahead[0] == self.generation else None
         self._barrier_seq = {}
         if self.relay is not None:
             self.relay.heartbeat_timeout_s = response.heartbeat_timeout_s or self.relay.heartbeat_timeout_s
@@ -413,6 +417,11 @@ class CoordinatorClient:
         """From the watcher: a failure of ``generation``. The first of the current generation is
         kept (:attr:`failure`) and handed to the handler set by :meth:`on_failure`."""
         with self._failure_lock:
+            if generation > self.generation:
+                # Why kept: a failure of the generation this rank's recovery is joining, whose
+                # answer has not reached it yet; the coordinator tells each process once (its
+                # heartbeats are held after that), so it is taken when that generation is entered.
+                self._ahead = (generation, error)
             if generation < self.generation or self.failure is not None:
                 return
             self.failure = error

@@ -7,6 +7,15 @@ the coordinator for the heartbeat timeout, it calls the communicator's failure h
 thread (which aborts NCCL work that may be spinning on the GPU). After a peer's failure it goes
 on heartbeating until the rank stops: the rank is alive (it may be writing a checkpoint), and a
 rank that went silent would be reported failed too, one crash reading as several.
+
+One heartbeat is in flight at all times, in every phase: the coordinator holds it (also while
+a generation is failed, once this process has been told of its failures), so this rank's death
+always ends a call there and is seen within the connection grace, never only by its silence.
+With the coordinator inside a rank's process (rank 0's, embedded), that call is also how the
+coordinator's death shows here: its connection drops, the watcher dials again for the same
+grace, and a port that refused it meanwhile is that rank's failure (:class:`CoordinatorLost`);
+a coordinator that answers again was only cut off for a moment, and one that neither answers nor
+refuses is judged by the silence bound.
 The per-rank grpc.health.v1 server kubelet probes lives in :mod:`gridcomm._runtime.health`.
 """
 
@@ -22,6 +31,7 @@ from typing import Protocol
 import grpc
 
 from gridcomm import _config
+from gridcomm._client.channel import channel_credentials, secure_options
 from gridcomm._client.session import Session, StreamBroken
 from gridcomm._errors import (
     CollectiveMismatch,
@@ -42,6 +52,54 @@ log = logging.getLogger(__name__)
 
 #: How long start() waits for the background loop to take the watcher on.
 START_WAIT_S = 10.0
+#: How long a dropped connection to a coordinator hosted in a rank's process may refuse to come
+#: back before that rank is taken as failed: the coordinator's own grace for a rank's dropped
+#: connection (``min(2 s, bound / 2)``, gridcomm._coordinator.server).
+CONNECTION_GRACE_S = 2.0
+#: Pause between two attempts to reach that coordinator again (each fails at once while nothing
+#: listens; the channel's own reconnect backoff starts at 0.1 s).
+REDIAL_PAUSE_S = 0.1
+
+
+class _Dropped(Exception):
+    """The Session stream to a coordinator hosted in a rank's process broke under a heartbeat."""
+
+
+def _refused(exc: grpc.RpcError) -> bool:
+    """Whether a failed call says nothing listens at the coordinator's address (its process is
+    gone). Why only this: a coordinator that is slow, overloaded or cut off by the network does
+    not refuse a connection; it answers late or never, and the silence bound judges that."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and "connection refused" in (exc.details() or "").lower()
+
+
+class _Redial:
+    """Attempts to reach the coordinator again after its connection dropped: heartbeats answered
+    at once (``wait_s`` 0) on a channel of their own without gRPC's retries, so each attempt says
+    at once whether the coordinator's port refused it (the client's channel retries a refused
+    unary call for ~1.5 s). The channel is closed once the coordinator answers or is lost."""
+
+    def __init__(self, client: Watched) -> None:
+        self._client = client
+        options = [o for o in secure_options(client.tls) if o[0] not in ("grpc.enable_retries", "grpc.service_config")]
+        options.append(("grpc.enable_retries", 0))
+        if client.tls is None:
+            self._channel = grpc.aio.insecure_channel(client.target, options=options)
+        else:
+            self._channel = grpc.aio.secure_channel(client.target, channel_credentials(client.tls), options=options)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+
+    async def attempt(self, timeout_s: float) -> pb.HeartbeatResponse:
+        client = self._client
+        request = pb.HeartbeatRequest(caller=client.caller, progress=client.progress())
+        reply: pb.HeartbeatResponse = await self._stub.Heartbeat(request, timeout=timeout_s, metadata=client.metadata)
+        return reply
+
+    async def close(self) -> None:
+        try:
+            await self._channel.close()
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
+
 
 def failure_error(failure: pb.Failure, observer: int) -> RankFailedError:
     when = time.strftime("%H:%M:%S", time.localtime(failure.at_unix_s)) if failure.at_unix_s else "?"
@@ -140,50 +198,98 @@ class Watcher:
         stub = pb_grpc.CoordinatorStub(client.aio_channel())
         timeout_s = client.heartbeat_timeout_s
         interval = max(0.05, timeout_s / 3)
+        grace = min(CONNECTION_GRACE_S, timeout_s / 2)
         last_ok = time.monotonic()
         lag_ok = _lag_s()
         backoff = 0.05
-        failed = False
+        #: (generation, failure count) of the last answer that carried failures.
+        told: tuple[int, int] | None = None
+        #: With the coordinator in a rank's process: when its connection was found dropped (the
+        #: first attempt that failed since the last answer), and whether it refused one since.
+        down_since: float | None = None
+        refused = False
+        redial: _Redial | None = None
+        #: When the heartbeat answered last was sent (None: it was an attempt answered at once).
+        started: float | None = None
         try:
             while not self._stopped:
-                if failed:
-                    # Why the pause: while a generation has failed, the coordinator answers a
-                    # heartbeat at once (with the failures); heartbeats go on at the bound's pace.
-                    await asyncio.sleep(interval)
                 generation = client.generation
-                request = pb.HeartbeatRequest(caller=client.caller, wait_s=interval, progress=client.progress())
-                # Why a deadline well past the server's answer (at ``interval``): a call the
-                # client gives up on is cancelled on the server, which reads a dropped heartbeat
-                # as a dead process after its short grace. An overloaded but live rank (256
-                # processes on 2 cores, make bench) was failed that way with ``interval + 1``.
-                call_s = interval + max(1.0, timeout_s / 2)
-                # Why bounded by what is left of the bound: a heartbeat on a stream that has to be
-                # opened again waits for the coordinator (wait_for_ready); a coordinator that is
-                # gone must still be noticed within the bound, not a call's deadline after it.
-                call_s = min(call_s, max(0.2, timeout_s - self._silent(last_ok, lag_ok) + 0.1))
-                try:
-                    reply = await self._beat(stub, request, call_s)
-                except grpc.RpcError as exc:
-                    code = exc.code()
-                    if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    grpc.StatusCode.CANCELLED):
-                        self._report(translate(exc, f"rank {client.rank}: heartbeat", client.target), generation)
-                        return
-                    silent = self._silent(last_ok, lag_ok)
-                    if silent > timeout_s:
-                        self._report(self._lost(silent, f"{code.name}: {exc.details()}"), generation)
-                        return
-                    # Jittered, bounded backoff; the loop ends at the heartbeat timeout above.
-                    await asyncio.sleep(backoff * (0.5 + random.random()))
-                    backoff = min(1.0, backoff * 2)
-                    continue
+                if down_since is not None:
+                    if redial is None:
+                        redial = _Redial(client)
+                    try:
+                        reply = await redial.attempt(max(0.2, min(1.0, timeout_s - self._silent(last_ok, lag_ok))))
+                    except grpc.RpcError as exc:
+                        refused = refused or _refused(exc)
+                        down_s = time.monotonic() - down_since
+                        if refused and down_s >= grace:
+                            self._report(self._dropped(down_s, grace, exc.details() or exc.code().name), generation)
+                            return
+                        silent = self._silent(last_ok, lag_ok)
+                        if silent > timeout_s:
+                            self._report(self._lost(silent, f"{exc.code().name}: {exc.details()}"), generation)
+                            return
+                        await asyncio.sleep(REDIAL_PAUSE_S)
+                        continue
+                    started = None  # an attempt answered at once: nothing to pace
+                    # It answered: a live coordinator whose connection merely dropped (it re-bound
+                    # its port, a proxy cut it); the held heartbeat goes on on a fresh stream.
+                    down_since, refused = None, False
+                    await redial.close()
+                    redial = None
+                    log.info("rank %d: the coordinator at %s answered again after its connection dropped",
+                             client.rank, client.target)
+                else:
+                    request = pb.HeartbeatRequest(caller=client.caller, wait_s=interval, progress=client.progress())
+                    # Why a deadline well past the server's answer (at ``interval``): a call the
+                    # client gives up on is cancelled on the server, which reads a dropped heartbeat
+                    # as a dead process after its short grace. An overloaded but live rank (256
+                    # processes on 2 cores, make bench) was failed that way with ``interval + 1``.
+                    call_s = interval + max(1.0, timeout_s / 2)
+                    # Why bounded by what is left of the bound: a heartbeat on a stream that has to be
+                    # opened again waits for the coordinator (wait_for_ready); a coordinator that is
+                    # gone must still be noticed within the bound, not a call's deadline after it.
+                    call_s = min(call_s, max(0.2, timeout_s - self._silent(last_ok, lag_ok) + 0.1))
+                    started = time.monotonic()
+                    try:
+                        reply = await self._beat(stub, request, call_s)
+                    except _Dropped as exc:
+                        log.debug("rank %d: %s; dialling the coordinator again", client.rank, exc)
+                        down_since = time.monotonic()
+                        continue
+                    except grpc.RpcError as exc:
+                        code = exc.code()
+                        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        grpc.StatusCode.CANCELLED):
+                            self._report(translate(exc, f"rank {client.rank}: heartbeat", client.target), generation)
+                            return
+                        silent = self._silent(last_ok, lag_ok)
+                        if silent > timeout_s:
+                            self._report(self._lost(silent, f"{code.name}: {exc.details()}"), generation)
+                            return
+                        if client.coordinator_rank is not None and code == grpc.StatusCode.UNAVAILABLE:
+                            down_since, refused = time.monotonic(), _refused(exc)
+                            continue
+                        # Jittered, bounded backoff; the loop ends at the heartbeat timeout above.
+                        await asyncio.sleep(backoff * (0.5 + random.random()))
+                        backoff = min(1.0, backoff * 2)
+                        continue
                 last_ok, lag_ok = time.monotonic(), _lag_s()
                 backoff = 0.05
-                failed = bool(reply.failures)
-                if failed:
-                    self._report(failure_error(reply.failures[0], client.rank), reply.generation or generation)
+                if not reply.failures:
+                    continue
+                self._report(failure_error(reply.failures[0], client.rank), reply.generation or generation)
+                news = (reply.generation or generation, len(reply.failures))
+                if started is not None and news == told and time.monotonic() - started < interval / 2:
+                    # Why the pause: this coordinator (one that predates held heartbeats, or a
+                    # relay) answers at once while a generation is failed; keep the bound's pace.
+                    await asyncio.sleep(interval - (time.monotonic() - started))
+                told = news
         except asyncio.CancelledError:
             pass
+        finally:
+            if redial is not None:
+                await asyncio.shield(redial.close())
 
     @staticmethod
     def _silent(since: float, lag_then: float) -> float:
@@ -211,6 +317,11 @@ class Watcher:
                 # (the coordinator last heard of it from the relay up to bound / 6 before that).
                 return await session.run("heartbeat", request, min(call_s, request.wait_s + max(2.0, timeout_s / 4)))
             except StreamBroken as exc:
+                if self._client.coordinator_rank is not None and not session.relay and not session.closed:
+                    # Why not repeated as a unary call at once: with the coordinator in a rank's
+                    # process, a stream that breaks is how that process's death shows; the
+                    # watcher dials again within the connection grace and tells which it was.
+                    raise _Dropped(str(exc)) from None
                 log.debug("rank %d: %s; heartbeat as a unary call", self._client.rank, exc)
             except grpc.RpcError as exc:
                 if not session.relay or exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -223,6 +334,17 @@ class Watcher:
             call_s = max(0.1, call_s - (time.monotonic() - started))
         reply: pb.HeartbeatResponse = await stub.Heartbeat(request, timeout=call_s, metadata=self._client.metadata)
         return reply
+
+    def _dropped(self, down_s: float, grace: float, why: str) -> GridcommError:
+        """The coordinator in a rank's process is gone: its connection dropped, and it refused
+        this rank's attempts to reach it again for the connection grace."""
+        client = self._client
+        rank = client.coordinator_rank
+        assert rank is not None  # only a coordinator in a rank's process is redialled
+        text = (f"the coordinator it hosts at {client.target} dropped this rank's connection, and refused it again "
+                f"for {down_s:.1f} s (connection grace {grace:g} s): its process is gone (killed, crashed or "
+                f"exited); last attempt: {why}")
+        return CoordinatorLost(f"rank {rank} failed: {text} (seen by rank {client.rank})", rank=rank, reason=text)
 
     def _lost(self, silent: float, why: str) -> GridcommError:
         client = self._client

@@ -486,6 +486,27 @@ def metrics_port(explicit: int | None = None, environ: Mapping[str, str] | None 
     return None if found is None else _parse_int(found[0], found[1], minimum=0, maximum=65535)
 
 
+#: How long the process hosting the coordinator keeps serving /metrics and status when it stops
+#: with a grace (rank 0 at the job's end or after a failure): GRIDCOMM_METRICS_LINGER_S. Why 30 s:
+#: two scrapes at Prometheus's slowest common interval (15 s, the shipped ServiceMonitor's), so
+#: the last one sees the failure; and no more than Kubernetes' default 30 s termination grace.
+DEFAULT_METRICS_LINGER_S = 30.0
+#: A linger above this is refused: a typo must not hold a finished pod for hours.
+MAX_METRICS_LINGER_S = 600.0
+
+
+def metrics_linger_s(environ: Mapping[str, str] | None = None) -> float:
+    """GRIDCOMM_METRICS_LINGER_S (``0``: none), else 30 s; at most 600 s."""
+    found = _first(_env(environ), ("GRIDCOMM_METRICS_LINGER_S",))
+    if found is None:
+        return DEFAULT_METRICS_LINGER_S
+    value = parse_duration(found[0], found[1], allow_zero=True)
+    if value > MAX_METRICS_LINGER_S:
+        raise ConfigError(f"{found[0]}={found[1]!r} is more than {MAX_METRICS_LINGER_S:g} s; the linger only has to "
+                          "outlast two scrape intervals (e.g. 30 for a 15 s scrape).")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class TlsFiles:
     """TLS material (PEM bytes) from GRIDCOMM_TLS_*; see :func:`tls`."""

@@ -77,6 +77,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("GRIDCOMM_METRICS_PORT", "port", "none",
              "the Prometheus /metrics port of the process hosting the coordinator",
              "`metrics_port=` (`Coordinator`), `gridcomm serve --metrics-port`"),
+    Variable("GRIDCOMM_METRICS_LINGER_S", "seconds, `0` off", "30 s (at most 600 s)",
+             "with a metrics port, how long rank 0's process keeps serving `/metrics` and status after the job's "
+             "end, or after its latest rank failure where that came first, so the last scrapes see it (a SIGTERM "
+             "meanwhile waits for it; read where the coordinator runs)"),
     Variable("GRIDCOMM_DATA_HOST", "host", "this host's address on the route to the coordinator",
              "the address the host backend's data plane listens on and publishes"),
     Variable("GRIDCOMM_SHM", "bool", "on", "whether host-backend ranks of one host exchange through /dev/shm"),

@@ -68,9 +68,10 @@ class ClientSettings:
 
 @dataclasses.dataclass(frozen=True)
 class CoordinatorSettings:
-    """What a coordinator server needs. Only the job id and the liveness bound come from the
-    environment when not passed: a server's address, secret and TLS are its constructor's (the
-    process that hosts it, ``init_process_group`` or ``gridcomm serve``, resolves them)."""
+    """What a coordinator server needs. Only the job id, the liveness and stall bounds and the
+    metrics linger come from the environment when not passed: a server's address, secret and TLS
+    are its constructor's (the process that hosts it, ``init_process_group`` or ``gridcomm serve``,
+    resolves them)."""
 
     world_size: int
     bind: str
@@ -83,6 +84,8 @@ class CoordinatorSettings:
     metrics_port: int | None
     #: GRIDCOMM_STALL_TIMEOUT_S (0: stalls are not named).
     stall_timeout_s: float = readers.DEFAULT_STALL_TIMEOUT_S
+    #: GRIDCOMM_METRICS_LINGER_S: /metrics and status stay up this long in a stop with a grace.
+    metrics_linger_s: float = readers.DEFAULT_METRICS_LINGER_S
 
     @classmethod
     def resolve(cls, world_size: int, bind: str = "0.0.0.0", port: int = 0, token: str | None = None, *,
@@ -96,7 +99,8 @@ class CoordinatorSettings:
                    job_id=readers.job_id(job_id, environ),
                    heartbeat_timeout_s=readers.heartbeat_timeout_s(heartbeat_timeout_s, environ),
                    health_port=health_port, metrics_port=metrics_port,
-                   stall_timeout_s=readers.stall_timeout_s(stall_timeout_s, environ, call_timeout_s=call_timeout_s))
+                   stall_timeout_s=readers.stall_timeout_s(stall_timeout_s, environ, call_timeout_s=call_timeout_s),
+                   metrics_linger_s=readers.metrics_linger_s(environ))
 
     @classmethod
     def serve(cls, world_size: int | None = None, bind: str | None = None, port: int | None = None,

@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from gridcomm._coordinator.state import Member, StateError
+from gridcomm._coordinator.state import Member, StateError, process_tag
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._wire import FAILED_CAUSE_KEY, FAILED_KEY, RESTARTED_KEY
 
@@ -111,7 +111,7 @@ def member_pb(member: Member) -> pb.Member:
     return pb.Member(
         rank=member.rank,
         hostname=member.hostname,
-        incarnation=member.incarnation,
+        process_tag=process_tag(member.incarnation),
         state=int(member.state),  # type: ignore[arg-type]
         joined_at_unix_s=time.time() - (time.monotonic() - member.joined_at),
     )

@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import logging
+import signal
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2
+from google.protobuf import descriptor_pb2, descriptor_pool
+from grpc_health.v1 import health, health_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from gridcomm import _config
 from gridcomm._config.settings import CoordinatorSettings
@@ -24,21 +29,43 @@ from gridcomm._coordinator.session import ServerSession
 from gridcomm._coordinator.state import JobState, Limits
 from gridcomm._errors import ConfigError, CoordinatorUnavailable
 from gridcomm._proto import coordinator_pb2 as pb
-from gridcomm._runtime.guard import BoundedHealth, GuardedServer, control_server_options, health_server_options
+from gridcomm._runtime.guard import (
+    BoundedHealth,
+    GuardedServer,
+    connection_cap,
+    control_server_options,
+    health_server_options,
+    open_file_limit,
+)
 from gridcomm._runtime.loop import drop_late_grpc_events
 from gridcomm._wire import SERVICE_NAME, UNDECODABLE, decoder
 
 log = logging.getLogger(__name__)
 
+#: Connections the coordinator holds beyond 4 per rank. Why this many: the count cannot tell a
+#: rank's connection from an unauthenticated one, so it is set far above what ranks need (4 per
+#: rank + 1,024 was filled by ~1,030 idle sockets, locking replacements out) and idle eviction
+#: (30 s, see gridcomm._runtime.guard) is what frees connections that never make a call; the
+#: cap only bounds descriptors and memory: an idle connection costs the server ~17 KB, ~48 KB
+#: with TLS, so 8,192 are ~140 MB (~400 MB with TLS), inside the recoverable layout's 1 GiB pod.
+SPARE_CONNECTIONS = 8_192
+
+
 def max_connections(world_size: int) -> int:
     """Connections the coordinator accepts at once: a few per rank (its calls, its watcher, a
-    probe) and room for operators' tools; past it new connections are closed at once."""
-    return 4 * world_size + 1024
+    probe) and :data:`SPARE_CONNECTIONS`, at most half the process's open-file limit (raised to
+    its hard limit first); past it new connections are closed at once. Says so in the log when
+    that limit leaves less than the ranks need."""
+    cap = connection_cap(4 * world_size + SPARE_CONNECTIONS, 2)
+    if cap < 4 * world_size + 1024:
+        log.warning("coordinator: the open-file limit (%d, ulimit -n) lets it hold %d connections, fewer than "
+                    "a job of %d ranks may need; raise the hard limit (ulimit -Hn, the container runtime's nofile)",
+                    open_file_limit(), cap, world_size)
+    return cap
 
 
 def server_options(world_size: int) -> list[tuple[str, Any]]:
-    """gRPC server options, set explicitly (see control_server_options); a few connections per
-    rank (its calls, its watcher, a probe) and room for operators' tools."""
+    """gRPC server options, set explicitly (see control_server_options)."""
     return control_server_options(max_connections(world_size))
 
 
@@ -104,7 +131,7 @@ def _handlers(servicer: Servicer) -> dict[str, Any]:
 def _register(servicer: Servicer, server: grpc.aio.Server) -> None:
     """Registers the Coordinator service like the generated helper, but with the handlers above
     and deserializers that turn an undecodable body into a sentinel refused with
-    INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN)."""
+    INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN); server reflection beside it."""
     handlers = _handlers(servicer)
     methods = {}
     for method in pb.DESCRIPTOR.services_by_name["Coordinator"].methods:
@@ -113,6 +140,69 @@ def _register(servicer: Servicer, server: grpc.aio.Server) -> None:
                                     request_deserializer=decoder(getattr(pb, method.input_type.name)),
                                     response_serializer=getattr(pb, method.output_type.name).SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, methods),))
+    _register_reflection(servicer, server)
+
+
+#: The services the coordinator's port answers, as reflection lists them.
+SERVED = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+
+
+@functools.lru_cache(maxsize=1)
+def _reflection_pool() -> descriptor_pool.DescriptorPool:
+    """A descriptor pool of the served services' files (and their imports) only. Why not the
+    default pool, as grpcio-reflection would use: it holds every .proto the process imported (in
+    rank 0, the user's program's own), and reflection would describe them on this port too."""
+    pool = descriptor_pool.DescriptorPool()
+    added: set[str] = set()
+
+    def add(file: Any) -> None:
+        if file.name in added:
+            return
+        for dependency in file.dependencies:  # a pool takes a file only after its imports
+            add(dependency)
+        proto = descriptor_pb2.FileDescriptorProto()
+        file.CopyToProto(proto)
+        pool.AddSerializedFile(proto.SerializeToString())
+        added.add(file.name)
+
+    for file in (pb.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
+        add(file)
+    return pool
+
+
+def _register_reflection(servicer: Servicer, server: grpc.aio.Server) -> None:
+    """Adds gRPC server reflection (``grpc.reflection.v1alpha``, the one grpcio-reflection
+    implements; grpcurl and grpcui fall back to it from v1) under the token rules of every other
+    coordinator call: the token is checked on the call's headers before any request is read, and a
+    call without it is refused UNAUTHENTICATED, counted and logged like the others. The answers
+    are grpcio-reflection's, from :func:`_reflection_pool`. The plaintext health port gets none:
+    it needs no token (kubelet sends none), so it carries grpc.health.v1 and nothing else."""
+    answers = reflection.aio.ReflectionServicer(SERVED, pool=_reflection_pool())
+    name = "ServerReflectionInfo"
+
+    async def info(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        await _admit(servicer, context, name)
+
+        async def requests() -> Any:
+            while True:
+                request = await context.read()
+                if request is grpc.aio.EOF:
+                    return
+                if request is UNDECODABLE:
+                    raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"a {name} request body is not a valid grpc.reflection.v1alpha.ServerReflectionRequest.")
+                yield request
+
+        try:
+            async for response in answers.ServerReflectionInfo(requests(), context):
+                await context.write(response)
+        except Exception as exc:  # noqa: BLE001 - the coordinator must survive any request
+            await refuse(context, name, exc)
+
+    handler = grpc.stream_stream_rpc_method_handler(
+        info, request_deserializer=decoder(reflection_pb2.ServerReflectionRequest),
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(reflection.SERVICE_NAME, {name: handler}),))
 
 
 class Coordinator:
@@ -196,6 +286,8 @@ class Coordinator:
         self._metrics_server: _metrics.MetricsServer | None = None
         #: The Prometheus /metrics port (after start(), when one was asked for).
         self.metrics_port: int | None = None
+        #: In a stop with a grace, how long /metrics and status stay up (GRIDCOMM_METRICS_LINGER_S; see stop()).
+        self.metrics_linger_s = settings.metrics_linger_s
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -354,13 +446,16 @@ class Coordinator:
         """Waits until every rank has left (or failed); returns False at the timeout."""
         return self._all_left.wait(timeout_s)
 
-    def _wait_idle(self, timeout_s: float) -> None:
+    def _wait_idle(self, timeout_s: float, cut: threading.Event | None = None) -> None:
         """Waits (bounded) until nobody needs this server any more: every rank left or failed, or,
-        before the rendezvous completed, no rank has a call in flight (the joiners got their answer)."""
+        before the rendezvous completed, no rank has a call in flight (the joiners got their answer);
+        or until ``cut`` is set (a SIGTERM held while lingering: the pod is being terminated)."""
         deadline = time.monotonic() + timeout_s
         state = self.state
         said = False
         while not self._all_left.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+            if cut is not None and cut.is_set():
+                return
             if not said and time.monotonic() > deadline - timeout_s + 1.0:
                 # Why say it: the process of rank 0 outlives its script by up to the grace, and a
                 # silent linger reads as a hang (kubectl logs showed nothing for ~14 s).
@@ -378,22 +473,60 @@ class Coordinator:
         self.stop(grace_s=self.exit_grace_s)
 
     def stop(self, grace_s: float = 0.0) -> None:
-        """Stops serving, first waiting up to ``grace_s`` for every rank to leave. Idempotent."""
+        """Stops serving, first waiting up to ``grace_s`` for every rank to leave. Idempotent.
+
+        With a grace and a metrics port (rank 0's stop at the end of the job or after a failure,
+        and its exit without stop()), ``/metrics`` and the coordinator's port (status, health)
+        also stay up until ``metrics_linger_s`` (GRIDCOMM_METRICS_LINGER_S, 30 s) have passed since
+        the call, or since the job's latest rank failure where that came first (a failure scraped
+        for that long already needs no more), saying so on stderr, so the last scrapes see how the
+        job ended. The linger runs alongside the wait for the ranks: the call takes the longer of
+        the two, never their sum. Why: rank 0 hears of a failure ~2 s after it and stops at once;
+        the metrics port went with it, and no scrape saw the failure. A SIGTERM meanwhile
+        (Kubernetes terminates rank 0's pod as soon as another rank's exit fails the Job) ends the
+        wait for the ranks and is held until the linger ends, then delivered; Ctrl-C ends it at
+        once. The metrics port closes last, just before the coordinator's loop stops, so it is up
+        for as long as the coordinator is."""
         atexit.unregister(self._stop_at_exit)
-        metrics, self._metrics_server = self._metrics_server, None
-        if metrics is not None:
-            metrics.stop()
-        if self._thread is None or self._loop is None or self._stopped.is_set():
+        started = time.monotonic()
+        running = self._thread is not None and self._loop is not None and not self._stopped.is_set()
+        linger = self.metrics_linger_s if grace_s > 0 and running and self._metrics_server is not None else 0.0
+        held = _HeldSigterm() if linger > 0 else None
+        try:
+            if running and grace_s > 0:
+                self._wait_idle(grace_s, cut=held.received if held is not None else None)
+            if linger > 0:
+                failures = list(self.state.failures) if self.state.failed else []
+                self._linger(min([started, *(f.at for f in failures[-1:])]) + linger)
+        finally:
+            metrics, self._metrics_server = self._metrics_server, None
+            if metrics is not None:
+                metrics.stop()
+            if running:
+                assert self._thread is not None and self._loop is not None
+                loop, stop = self._loop, self._stop_requested
+                if stop is not None:
+                    try:
+                        loop.call_soon_threadsafe(stop.set)
+                    except RuntimeError:
+                        pass  # loop already closed
+                self._thread.join(10.0)
+            if held is not None:
+                held.release()  # last: a held SIGTERM ends the process
+
+    def _linger(self, deadline: float) -> None:
+        """Keeps serving (metrics, status) until ``deadline``, or until the loop ends on its own."""
+        left = deadline - time.monotonic()
+        if left <= 0.05:
             return
-        if grace_s > 0:
-            self._wait_idle(grace_s)
-        loop, stop = self._loop, self._stop_requested
-        if stop is not None:
-            try:
-                loop.call_soon_threadsafe(stop.set)
-            except RuntimeError:
-                pass  # loop already closed
-        self._thread.join(10.0)
+        failed = sorted(m.rank for m in list(self.state.members.values()) if m.state.name == "FAILED")
+        what = (f"the failure of rank(s) {', '.join(map(str, failed[:8]))}{' ...' if len(failed) > 8 else ''}"
+                if failed else "the end of the job")
+        # Why say it: the process outlives its script by the linger, and a silent linger reads as a hang.
+        log.warning("coordinator: serving /metrics (port %s) and status %.0f s more so the last scrapes see %s "
+                    "(GRIDCOMM_METRICS_LINGER_S=%g), then it stops", self.metrics_port, left, what,
+                    self.metrics_linger_s)
+        self._stopped.wait(left)
 
     def __enter__(self) -> Coordinator:
         return self if self._thread is not None else self.start()
@@ -401,3 +534,38 @@ class Coordinator:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+
+class _HeldSigterm:
+    """Holds a SIGTERM that comes while the coordinator lingers, and delivers it at :meth:`release`.
+
+    Installed only from the main thread and only where SIGTERM has its default action (a
+    program's own handler is left alone); the linger is bounded (GRIDCOMM_METRICS_LINGER_S, at most
+    600 s) and Kubernetes' termination grace (30 s by default) still ends it with SIGKILL."""
+
+    def __init__(self) -> None:
+        self.received = threading.Event()
+        self._installed = False
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            try:
+                signal.signal(signal.SIGTERM, self._hold)
+                self._installed = True
+            except (ValueError, OSError):
+                pass  # not settable here (an embedding interpreter): SIGTERM keeps its default
+
+    def _hold(self, signum: int, frame: object) -> None:
+        if not self.received.is_set():
+            self.received.set()
+            log.warning("coordinator: SIGTERM received; it takes effect once the metrics linger ends")
+
+    def release(self) -> None:
+        if not self._installed:
+            return
+        self._installed = False
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self.received.is_set():
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()  # what the program printed is not lost with the process
+                except (OSError, ValueError, AttributeError):
+                    pass
+            signal.raise_signal(signal.SIGTERM)

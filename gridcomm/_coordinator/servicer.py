@@ -20,7 +20,16 @@ import grpc
 
 from gridcomm._coordinator.answers import Abort, RefusalLog, bounded, failure_pb, member_pb
 from gridcomm._coordinator.metrics import CoordinatorMetrics
-from gridcomm._coordinator.state import REBUILD, SHRINK, JobState, Member, StateError, quote
+from gridcomm._coordinator.state import (
+    REBUILD,
+    RESOURCE_EXHAUSTED,
+    SHRINK,
+    JobState,
+    Member,
+    StateError,
+    process_tag,
+    quote,
+)
 from gridcomm._coordinator.state.progress import MAX_ENTRIES as MAX_PROGRESS_ENTRIES
 from gridcomm._coordinator.state.progress import Entry, check_entry
 from gridcomm._proto import coordinator_pb2 as pb
@@ -33,6 +42,10 @@ log = logging.getLogger(__name__)
 #: Margin kept between the server's answer and the caller's gRPC deadline, so a timed-out wait
 #: reaches the caller as our structured answer rather than as the transport's DEADLINE_EXCEEDED.
 ANSWER_MARGIN_S = 0.25
+#: Pending barriers a Status answer lists at most (the longest-waiting), and about how many ranks
+#: their lists may name in all (or twice the world size, if more).
+MAX_STATUS_BARRIERS = 64
+MAX_STATUS_BARRIER_RANKS = 65_536
 #: JoinRequest.recovery -> the state's recovery mode.
 _MODES: dict[int, str | None] = {pb.RECOVERY_NONE: None, pb.RECOVERY_REBUILD: REBUILD, pb.RECOVERY_SHRINK: SHRINK}
 
@@ -83,6 +96,11 @@ class Servicer:
         self._missing_answer: tuple[Any, str, tuple[tuple[str, str], ...]] | None = None
         #: The relay tree: rank -> (incarnation, HOST:PORT) of the relay its process hosts.
         self._relays: dict[int, tuple[int, str]] = {}
+        #: rank -> (incarnation, generation, failure count) its latest heartbeat answer carried
+        #: while the generation was failed: what that process knows (see heartbeat).
+        self._told: dict[int, tuple[int, int, int]] = {}
+        #: (rank, incarnation) -> its Session operations in flight (see admit_op).
+        self._in_flight: dict[tuple[int, int], int] = {}
 
     @property
     def world_size(self) -> int:
@@ -127,6 +145,34 @@ class Servicer:
                 if not fut.done():
                     fut.set_result(None)
 
+    def admit_op(self, kind: str, request: Any) -> tuple[int, int] | None:
+        """Charges a Session operation to its caller's share of operations in flight, before a
+        task is made for it (Limits.max_waits_per_rank): the key to release it by, or None when
+        it is not charged (a join, or a caller the state refuses: the operation runs and says
+        why). Why here: a rank that parks gets of keys nobody sets on many streams made a task
+        for each (131,072 of them on one connection: +192 MB) before any wait could refuse it."""
+        caller = getattr(request, "caller", None)
+        if caller is None:
+            return None
+        try:
+            member = self._state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, kind,
+                                              any_generation=True)
+        except StateError:
+            return None
+        key = (member.rank, member.incarnation)
+        count = self._in_flight.get(key, 0)
+        if count >= self._state.limits.max_waits_per_rank:
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{kind} refused: rank {member.rank} already has {count} "
+                        "operations in flight at the coordinator, the limit.")
+        self._in_flight[key] = count + 1
+        return key
+
+    def release_op(self, key: tuple[int, int]) -> None:
+        """An operation admit_op charged has ended."""
+        count = self._in_flight.pop(key, 1) - 1
+        if count > 0:
+            self._in_flight[key] = count
+
     def _check_waiting(self, what: str, fail_fast: bool = True) -> None:
         """Raises what ends a wait that is not done: a failed job (when ``fail_fast``) or a
         coordinator that is shutting down."""
@@ -146,6 +192,11 @@ class Servicer:
         if deadline is not None and deadline < end:
             end = deadline
         if member is not None:
+            if member.active_calls >= self._state.limits.max_waits_per_rank and not done():
+                # Why: each wait holds a future, a task and a call's buffers (~1.5 KB); one rank's
+                # gets of keys nobody sets, on many streams, must not grow the coordinator.
+                raise StateError(RESOURCE_EXHAUSTED, f"{what} refused: rank {member.rank} already has "
+                                 f"{member.active_calls} calls waiting at the coordinator, the limit.")
             self._state.call_started(member)
         try:
             while True:
@@ -333,7 +384,7 @@ class Servicer:
                             deadline, f"join of rank {request.rank}", fail_fast=False):
             return state.gone(old)  # else it heartbeat: alive, and the caller raises the refusal
         raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"rank {request.rank}'s previous process (incarnation {old.incarnation:#x} on {old.hostname or '?'}) "
+                    f"rank {request.rank}'s previous process (process {process_tag(old.incarnation)} on {old.hostname or '?'}) "
                     f"has not been heard from since this one came; waiting for the coordinator to mark it failed "
                     f"(liveness bound {self._owner.heartbeat_timeout_s:g} s)", ((MISSING_KEY, ranks_text([request.rank])),))
 
@@ -415,7 +466,9 @@ class Servicer:
         if request.also:
             self._also(request.also, "barrier", now)
         barrier = state.barriers.get(name)
-        before = barrier.completed if barrier is not None else 0
+        # A name the state does not know (new, or dropped after every member passed it) starts
+        # at the caller's seq: the instances before it completed long ago, nobody waits there.
+        before = barrier.completed if barrier is not None else max(0, seq - 1)
         completed = state.arrive(name, member.rank, seq, now, request.participants)
         for other in request.also:  # a relay's aggregate: the same arrival by its other ranks
             completed = state.arrive(name, other.rank, seq, now, request.participants)
@@ -441,7 +494,9 @@ class Servicer:
         return pb.BarrierResponse(seq=seq)
 
     async def heartbeat(self, request: pb.HeartbeatRequest, deadline: float | None) -> pb.HeartbeatResponse:
-        """Long-poll: answered after wait_s or as soon as any rank fails, with every failure."""
+        """Long-poll: answered after wait_s, or as soon as a rank fails that the caller's process
+        was not yet told of, with every failure of the generation. Held in every phase (also
+        while the generation is failed), so a caller's death always ends a call in flight."""
         if request.relayed:
             return await self._relayed_heartbeat(request, deadline)
         state = self._state
@@ -455,14 +510,30 @@ class Servicer:
         state.heartbeat(member.rank, now, self.lag.total_s)
         beat = member.last_heartbeat
         self._wake(("beat", member.rank))  # a second process for this rank may wait to learn it is alive
+        known = (member.incarnation, state.generation, len(state.failures))
+        held = state.failed and self._told.get(member.rank) == known
+
+        def news() -> bool:
+            # Why held while failed: this process was already answered with these failures; a
+            # heartbeat answered at once would leave nothing in flight between two of them, and
+            # a death meanwhile would wait out the silence bound instead of the connection grace
+            # (the held call's cancellation is how a death is seen). It is answered at a new
+            # failure, at a failure of a later generation, or at its wait.
+            return (state.generation, len(state.failures)) != known[1:] if held else state.failed
+
         try:
-            await self._wait(("failure",), lambda: state.failed, min(request.wait_s, self._owner.heartbeat_timeout_s),
+            await self._wait(("failure",), news, min(request.wait_s, self._owner.heartbeat_timeout_s),
                              deadline, "heartbeat", fail_fast=False)
         except asyncio.CancelledError:
             # Why: the call ended without an answer: the caller's process died or its network
             # went away (or it merely re-dials). Give it a moment to heartbeat again, then fail it.
             self._loop.call_later(self._owner.connection_grace_s, self._check_lost, member, beat, self.lag.total_s)
             raise
+        if state.failed and request.wait_s > 0:
+            # Why only a heartbeat that could wait (a watcher's, not a poll), remembered before
+            # the answer is delivered: one lost with its connection costs that rank at most one
+            # wait before it hears of the failures again.
+            self._told[member.rank] = (member.incarnation, state.generation, len(state.failures))
         return pb.HeartbeatResponse(failures=[failure_pb(f) for f in state.failures], generation=state.generation)
 
     async def _relayed_heartbeat(self, request: pb.HeartbeatRequest, deadline: float | None) -> pb.HeartbeatResponse:
@@ -511,7 +582,11 @@ class Servicer:
     def _check_lost(self, member: Member, beat: float | None, lag_then: float) -> None:
         if self.lag.total_s - lag_then > self._owner.connection_grace_s / 4:
             # Why: this loop fell behind during the grace, so the rank's next heartbeat may be
-            # unread yet; the heartbeat bound, which leaves the lag out, decides instead.
+            # unread yet. Why looked at again after another grace rather than left to the
+            # heartbeat bound: on a loaded machine that turned a 2 s verdict into 15 s; a rank
+            # is failed only after a grace in which this loop kept up and heard nothing of it.
+            if self._state.lost_connection(member, beat) and not self._owner.closing:
+                self._loop.call_later(self._owner.connection_grace_s, self._check_lost, member, beat, self.lag.total_s)
             return
         if self._state.lost_connection(member, beat):
             self._fail(member.rank, f"rank {member.rank} on {member.hostname or '?'} lost its connection to the "
@@ -565,22 +640,40 @@ class Servicer:
     async def status(self, request: pb.StatusRequest, deadline: float | None) -> pb.StatusResponse:
         state = self._state
         now = self._now()
+        barriers, unlisted = self._barrier_rows(now)
         return pb.StatusResponse(
             job_id=state.job_id,
             world_size=state.world_size,
             generation=state.generation,
             members=[member_pb(m) for m in sorted(state.members.values(), key=lambda m: m.rank)],
             missing_ranks=state.missing_join(),
-            barriers=[
-                pb.BarrierStatus(name=n, seq=s, arrived_ranks=a, missing_ranks=m, waiting_s=w)
-                for n, s, a, m, w in state.pending_barriers(now)
-            ],
+            barriers=barriers,
             failures=[failure_pb(f) for f in state.failures],
             uptime_s=now - state.started_at,
             serving=self._owner.serving,
             progress=self._progress_rows(now),
-            late=state.progress.late_lines(now, self._owner.heartbeat_timeout_s),
+            late=state.progress.late_lines(now, self._owner.heartbeat_timeout_s) + unlisted,
         )
+
+    def _barrier_rows(self, now: float) -> tuple[list[pb.BarrierStatus], list[str]]:
+        """The pending barriers that have waited longest, at most MAX_STATUS_BARRIERS of them and
+        about MAX_STATUS_BARRIER_RANKS ranks in all (at least one barrier), and a line saying how
+        many more there are. Why capped: each costs O(its members) to list, and a rank may hold
+        thousands pending; the whole answer must stay far below the 80 MiB a message may be."""
+        state = self._state
+        rows: list[pb.BarrierStatus] = []
+        ranks = 0
+        cap = max(MAX_STATUS_BARRIER_RANKS, 2 * state.world_size)
+        for name, seq, arrived, missing, waited in state.pending_barriers(now):
+            rows.append(pb.BarrierStatus(name=name, seq=seq, arrived_ranks=arrived, missing_ranks=missing,
+                                         waiting_s=waited))
+            ranks += len(arrived) + len(missing)
+            if len(rows) >= MAX_STATUS_BARRIERS or ranks >= cap:
+                break
+        more = state.pending_barrier_count - len(rows)
+        unlisted = [f"{more} more pending barriers are not listed (the {len(rows)} that have waited longest are)"] \
+            if more > 0 else []
+        return rows, unlisted
 
     def _progress_rows(self, now: float) -> list[pb.Progress]:
         """Each rank's last collective per communicator, at most 4 x world size rows (the world's first)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from gridcomm._coordinator.answers import Abort, refuse, status_of
+from gridcomm._coordinator.answers import Abort, details, refuse, status_of
 from gridcomm._coordinator.servicer import Servicer
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._wire import UNDECODABLE
@@ -36,7 +36,7 @@ class ServerSession:
     def __init__(self, servicer: Servicer, context: grpc.aio.ServicerContext) -> None:
         self._servicer = servicer
         self._context = context
-        self._results: list[pb.SessionResult] = []
+        self._results: list[pb.SessionResult | tuple[int, int, str]] = []
         self._ready = asyncio.Event()
         self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -102,9 +102,21 @@ class ServerSession:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{kind} refused: this Session stream already has {len(self._tasks)} operations waiting.")))
             return
-        task = asyncio.ensure_future(self._run(op.id, kind, operation, getattr(op, kind)))
+        request = getattr(op, kind)
+        try:
+            charged = self._servicer.admit_op(kind, request)
+        except Abort as exc:
+            # Why a tuple until the reply is built: a message of its own costs ~1 KB, and one
+            # burst of 131,072 operations refused here held +70 MB of them while being written.
+            self._servicer.metrics.session_op_error(f"Session {kind}", exc.code, 1)
+            self._results.append((op.id, exc.code.value[0], details(exc.message)))
+            self._ready.set()
+            return
+        task = asyncio.ensure_future(self._run(op.id, kind, operation, request))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if charged is not None:
+            task.add_done_callback(lambda _: self._servicer.release_op(charged))
 
     async def _run(self, op_id: int, kind: str, operation: Callable[[Servicer, Any, float | None], Awaitable[Any]],
                    request: Any) -> None:
@@ -125,4 +137,10 @@ class ServerSession:
                 self._ready.clear()
                 continue
             batch, self._results = self._results, []
-            await self._context.write(pb.SessionReply(results=batch))
+            reply = pb.SessionReply()
+            for result in batch:
+                if isinstance(result, tuple):  # a refusal kept as (id, code, details): see _start
+                    reply.results.add(id=result[0], code=result[1], details=result[2])
+                else:
+                    reply.results.append(result)
+            await self._context.write(reply)

@@ -48,18 +48,20 @@ class Caller(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class Member(_message.Message):
-    __slots__ = ("rank", "hostname", "incarnation", "state", "joined_at_unix_s")
+    __slots__ = ("rank", "hostname", "incarnation", "state", "joined_at_unix_s", "process_tag")
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     JOINED_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_TAG_FIELD_NUMBER: _ClassVar[int]
     rank: int
     hostname: str
     incarnation: int
     state: MemberState
     joined_at_unix_s: float
-    def __init__(self, rank: _Optional[int] = ..., hostname: _Optional[str] = ..., incarnation: _Optional[int] = ..., state: _Optional[_Union[MemberState, str]] = ..., joined_at_unix_s: _Optional[float] = ...) -> None: ...
+    process_tag: str
+    def __init__(self, rank: _Optional[int] = ..., hostname: _Optional[str] = ..., incarnation: _Optional[int] = ..., state: _Optional[_Union[MemberState, str]] = ..., joined_at_unix_s: _Optional[float] = ..., process_tag: _Optional[str] = ...) -> None: ...
 
 class Failure(_message.Message):
     __slots__ = ("rank", "reason", "at_unix_s", "reported_by", "cause")

@@ -11,6 +11,31 @@ Two pieces, shared by the coordinator's port, its plaintext health port and a ra
 - :class:`BoundedHealth` is the stock ``grpc.health.v1`` servicer with a cap on concurrent
   ``Watch`` streams: health needs no token (kubelet sends none), and each open Watch costs the
   server ~25 KB, so 20,000 of them grew a coordinator by ~500 MB.
+
+And the options of those servers (:func:`control_server_options`, :func:`health_server_options`).
+Connections are limited by idleness, not by a count a caller without the token can fill: gRPC
+cannot tell which connections made an authenticated call, so a count cap that rank connections
+need (``4 x world size + 1024``) was filled by ~1,030 idle sockets, and 256 on a health port
+refused kubelet's probes. Instead:
+
+- a connection with no call open is closed after :data:`CONTROL_IDLE_S` (30 s; health ports
+  :data:`HEALTH_IDLE_S`, 3 s), one that has not sent its HTTP/2 settings (TLS included) after
+  :data:`CONTROL_HANDSHAKE_S` (10 s; health ports :data:`HEALTH_HANDSHAKE_S`, 3 s). A rank's
+  connection always has a call open (its Session stream or its heartbeat's long poll), so only
+  connections that never made a call, and bare clients between calls, are closed; a client's next
+  call connects again (gRPC does it within the call). gRPC adds +-10% jitter to the idle time
+  and looks at idleness once per period, so a connection that never made a call goes 0.9-1.1
+  periods after its accept, one that did 0.9-2.2 periods after its last call ended.
+- what keeps an unauthenticated call open is bounded too: coordinator calls without the token are
+  answered on their headers, a health request not sent within :data:`HEALTH_READ_S` (5 s) is
+  refused, and a read past :data:`MAX_HEALTH_READS` evicts the oldest (see :class:`BoundedHealth`),
+  so idle eviction cannot be dodged by holding a call open;
+- the count caps stay only as a bound on file descriptors and memory (an idle HTTP/2 connection
+  costs the server ~17 KB, ~48 KB with TLS): the coordinator takes ``4 x world size + 8,192`` and
+  a health port :data:`HEALTH_MAX_CONNECTIONS` (4,096), each at most a share of the process's
+  open-file limit (:func:`connection_cap`), which is raised from its soft to its hard value the
+  first time (:func:`open_file_limit`). Filling them takes ~8,200 sockets held open (and
+  connected again every 30 s once idle-closed; a health port 4,096 every 3 s), not a few hundred.
 """
 
 from __future__ import annotations
@@ -20,6 +45,7 @@ import errno
 import hmac
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +67,77 @@ MAX_HEALTH_READS = 32
 #: Header block a caller may send (a token is at most 4 KiB). Why: a 1 MiB header block cost
 #: ~1 MB per connection, kept after the connection closed.
 MAX_METADATA_BYTES = 16 * 1024
+#: How long a health call may take to send its request after its headers. Why: a call waiting
+#: for its request keeps its connection from being idle (and holds one of MAX_HEALTH_READS);
+#: kubelet and ``gridcomm probe`` send the request with the headers.
+HEALTH_READ_S = 5.0
+
+#: A control-plane connection (coordinator, relay) with no call open this long is closed.
+CONTROL_IDLE_S = 30.0
+#: From a control-plane connection's accept to its client's HTTP/2 settings, TLS handshake
+#: included. Why not shorter: thousands of ranks' TLS handshakes at once on a few cores.
+CONTROL_HANDSHAKE_S = 10.0
+#: A health-port connection with no call open this long is closed. Why this short: kubelet opens
+#: a connection per probe and closes it after its one Check.
+HEALTH_IDLE_S = 3.0
+#: From a health-port connection's accept to its HTTP/2 settings (plaintext; kubelet's probe
+#: times out after 1 s by default).
+HEALTH_HANDSHAKE_S = 3.0
+#: Connections a health port holds at once (also at most 1/8 of the open-file limit).
+HEALTH_MAX_CONNECTIONS = 4096
+#: The share of the open-file limit one port's connections may take (the rest is for the other
+#: ports and whatever else the process opens): a control port 1/2, a health port 1/8.
+_FD_SHARE_CONTROL = 2
+_FD_SHARE_HEALTH = 8
+#: Soft limit to raise to where the hard limit is unlimited (Linux's default fs.nr_open).
+_FD_UNLIMITED = 1 << 20
+
+_fd_lock = threading.Lock()
+_fd_limit: int | None = None
+
+
+def open_file_limit() -> int:
+    """This process's soft RLIMIT_NOFILE, raised to its hard limit the first time it is asked.
+
+    Why raise it: every connection is a descriptor, and a soft limit of 1,024 under a much higher
+    hard one is common (systemd's default is 1,024 under 524,288, and some container runtimes
+    pass it on); past the soft limit grpc cannot accept (the port refuses everyone) and the
+    process cannot open files. Raising the soft limit up to the hard one needs no privilege (Go's
+    runtime does it at start too). Descriptors above 1,023 exist only while that many are open,
+    and gridcomm waits on them with epoll, never select().
+    Where it cannot be raised (no ``resource`` module, a refusal), the current soft limit is used.
+    """
+    global _fd_limit
+    with _fd_lock:
+        if _fd_limit is not None:
+            return _fd_limit
+        try:
+            import resource
+        except ImportError:  # not a Unix: grpc's own limits apply
+            _fd_limit = _FD_UNLIMITED
+            return _fd_limit
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = hard
+        if hard == resource.RLIM_INFINITY:
+            try:
+                with open("/proc/sys/fs/nr_open") as f:
+                    target = int(f.read())
+            except (OSError, ValueError):
+                target = _FD_UNLIMITED
+        if soft != resource.RLIM_INFINITY and soft < target:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                log.debug("raised this process's open-file limit from %d to %d (its hard limit)", soft, target)
+                soft = target
+            except (OSError, ValueError) as exc:
+                log.debug("the open-file limit stays %d (raising it to %d failed: %s)", soft, target, exc)
+        _fd_limit = _FD_UNLIMITED if soft == resource.RLIM_INFINITY else int(soft)
+        return _fd_limit
+
+
+def connection_cap(wanted: int, share: int) -> int:
+    """``wanted`` connections, but at most ``1/share`` of the open-file limit (at least 16)."""
+    return max(16, min(wanted, open_file_limit() // share))
 
 
 def token_problem(context: grpc.aio.ServicerContext, token: bytes | None) -> str | None:
@@ -68,7 +165,8 @@ def control_server_options(max_connections: int) -> list[tuple[str, Any]]:
     """The options of a server of the control plane (the coordinator, a relay): a long-poll server
     CANCELs calls past ~1,000 parked waiters with the defaults, a second server on the same port
     must fail, not share it, and what a caller without the token can make the server hold is
-    bounded; past ``max_connections`` new connections are closed at once."""
+    bounded. Connections are evicted when idle (:data:`CONTROL_IDLE_S`); past ``max_connections``
+    (at most half the open-file limit, see :func:`connection_cap`) new ones are closed at once."""
     return [
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
@@ -78,11 +176,11 @@ def control_server_options(max_connections: int) -> list[tuple[str, Any]]:
         ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
         ("grpc.max_metadata_size", MAX_METADATA_BYTES),
         ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
-        ("grpc.max_allowed_incoming_connections", max_connections),
-        # A connection that has not finished its HTTP/2 (or TLS) handshake is closed after 10 s,
-        # and one with no call open for 5 minutes is asked to go (a client reconnects on its next call).
-        ("grpc.server_handshake_timeout_ms", 10_000),
-        ("grpc.max_connection_idle_ms", 300_000),
+        ("grpc.max_allowed_incoming_connections", connection_cap(max_connections, _FD_SHARE_CONTROL)),
+        # What frees the connections of callers that never make an (authenticated) call: see the
+        # module's docstring. Why idle and not age: a rank's Session stream lives as long as the job.
+        ("grpc.server_handshake_timeout_ms", int(CONTROL_HANDSHAKE_S * 1000)),
+        ("grpc.max_connection_idle_ms", int(CONTROL_IDLE_S * 1000)),
         # Why no BDP probing, and a fixed 1 MiB window per stream (one chunk in flight): BDP
         # probing widens every stream's flow-control window, which is what a call refused before
         # its body was read can still make the server buffer (12 unauthenticated 79 MiB Sets:
@@ -102,16 +200,18 @@ def control_server_options(max_connections: int) -> list[tuple[str, Any]]:
 
 
 def health_server_options() -> list[tuple[str, Any]]:
-    """A health-only port: a health request is a service name, so anything large is refused."""
+    """A health-only port: a health request is a service name, so anything large is refused.
+    Idle connections go after :data:`HEALTH_IDLE_S`, so a few hundred held sockets never refuse
+    a probe (the cap, :data:`HEALTH_MAX_CONNECTIONS`, is only a bound on descriptors and memory)."""
     return [
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", 16 * 1024),
         ("grpc.max_concurrent_streams", 64),
         ("grpc.max_metadata_size", MAX_METADATA_BYTES),
         ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
-        ("grpc.max_allowed_incoming_connections", 256),
-        ("grpc.server_handshake_timeout_ms", 10_000),
-        ("grpc.max_connection_idle_ms", 60_000),
+        ("grpc.max_allowed_incoming_connections", connection_cap(HEALTH_MAX_CONNECTIONS, _FD_SHARE_HEALTH)),
+        ("grpc.server_handshake_timeout_ms", int(HEALTH_HANDSHAKE_S * 1000)),
+        ("grpc.max_connection_idle_ms", int(HEALTH_IDLE_S * 1000)),
     ]
 
 
@@ -254,6 +354,12 @@ class GuardedServer:
             await server.stop(grace_s)
 
 
+def _consume(task: asyncio.Future[Any]) -> None:
+    """Retrieves a cancelled read's outcome, so that asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _health_request(data: bytes) -> Any:
     try:
         return health_pb2.HealthCheckRequest.FromString(data)
@@ -262,14 +368,19 @@ def _health_request(data: bytes) -> Any:
 
 
 class BoundedHealth(health.aio.HealthServicer):  # type: ignore[misc]
-    """The stock aio health servicer behind a gate: at most ``max_watchers`` Watch streams and
-    :data:`MAX_HEALTH_READS` unread requests at once; past them a call is refused unread."""
+    """The stock aio health servicer behind a gate: at most ``max_watchers`` Watch streams (past
+    them a Watch is refused) and :data:`MAX_HEALTH_READS` requests being read at once, each for at
+    most :data:`HEALTH_READ_S`. Why a newcomer evicts the oldest read rather than being refused:
+    32 calls that never send their request held every place, so every probe was refused
+    (RESOURCE_EXHAUSTED) for as long as their connections lived; a probe's request comes with its
+    headers, so it is read long before 32 newer calls can push it out."""
 
     def __init__(self, max_watchers: int = MAX_HEALTH_WATCHERS) -> None:
         super().__init__()
         self._max_watchers = max_watchers
         self.watchers = 0
-        self._reading = 0
+        #: The reads in progress, oldest first; each one's future is set when it is evicted.
+        self._readers: dict[asyncio.Future[None], None] = {}
 
     def register(self, server: grpc.aio.Server) -> None:
         """Adds grpc.health.v1.Health to ``server``: the same wire format as the generated
@@ -285,14 +396,29 @@ class BoundedHealth(health.aio.HealthServicer):  # type: ignore[misc]
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(health.SERVICE_NAME, handlers),))
 
     async def _read(self, context: grpc.aio.ServicerContext) -> Any:
-        if self._reading >= MAX_HEALTH_READS:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"more than {MAX_HEALTH_READS} health requests are being read; try again.")
-        self._reading += 1
+        evicted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._readers[evicted] = None
+        if len(self._readers) > MAX_HEALTH_READS:
+            oldest = next(iter(self._readers))
+            del self._readers[oldest]
+            oldest.set_result(None)
+        remaining = context.time_remaining()
+        wait_s = HEALTH_READ_S if remaining is None else max(0.0, min(HEALTH_READ_S, remaining))
+        read = asyncio.ensure_future(context.read())
         try:
-            request = await context.read()
+            await asyncio.wait((read, evicted), timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            self._reading -= 1
+            self._readers.pop(evicted, None)
+        if not read.done():
+            read.cancel()
+            read.add_done_callback(_consume)
+            if evicted.done():
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"more than {MAX_HEALTH_READS} health requests were being read at once and "
+                                    "this one had waited longest for its request; try again.")
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"the health request did not come within {wait_s:g} s of the call's headers.")
+        request = read.result()
         if request is None or request is grpc.aio.EOF:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request is not a grpc.health.v1.HealthCheckRequest.")
         return request

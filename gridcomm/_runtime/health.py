@@ -17,6 +17,12 @@ Two services, two questions:
 One server per port and process, started by the first of :func:`start_health_server` (a script
 that loads data or a model before ``init_process_group`` calls it first, so kubelet's startup
 probe passes meanwhile) and ``init_process_group``; it lives until the process exits.
+
+The port needs no token (kubelet sends none), so what others can hold there is bounded by
+:func:`gridcomm._runtime.guard.health_server_options`: a connection with no call open is closed
+after 3 s and one that has not sent its HTTP/2 settings after 3 s, so a few hundred idle sockets
+never refuse a probe (kubelet opens a connection per probe); at most 4,096 connections (1/8 of
+the open-file limit, which starting the server raises to its hard limit).
 """
 
 from __future__ import annotations

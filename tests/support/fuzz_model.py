@@ -357,13 +357,27 @@ class Job:
         return [r for r in range(self.world_size)
                 if (r not in self.failed and r not in self.left) or r not in self.replacing]
 
+    def _check_members(self, members: Any, what: str) -> None:
+        """Listed members are the model's, and no answer shows an incarnation (it proves a call
+        comes from the rank's process): each process has a tag of its own, the same every time."""
+        assert {m.rank for m in members} == set(self.incarnations), f"{what}: members {members}"
+        tags = getattr(self, "_tags", None)
+        if tags is None:
+            tags = self._tags = {}
+        for m in members:
+            assert m.incarnation == 0, f"{what}: an answer shows rank {m.rank}'s incarnation"
+            assert len(m.process_tag) == 8 and int(m.process_tag, 16) >= 0, f"{what}: tag {m.process_tag!r}"
+            seen = tags.setdefault(self.incarnations[m.rank], m.process_tag)
+            assert seen == m.process_tag, f"{what}: rank {m.rank}'s process changed tag {seen} -> {m.process_tag}"
+        assert len(set(tags.values())) == len(tags), f"{what}: two processes share a tag: {tags}"
+
     def _check_join_answer(self, out: Outcome, what: str) -> None:
         if out.code is OK:
             assert out.response.generation == self.generation >= 1, f"{what}: generation {out.response.generation}"
             assert out.response.world_size == self.world_size, f"{what}: {out.response}"
             # Members may be left out of the answer (Status lists them); any listed must be right.
-            members = {m.rank: m.incarnation for m in out.response.members}
-            assert not members or members == self.incarnations, f"{what}: members {members} != {self.incarnations}"
+            if out.response.members:
+                self._check_members(out.response.members, what)
         elif out.code is DEADLINE:
             missing = [r for r in range(self.world_size) if r not in self.incarnations]
             assert out.trailing.get(MISSING_KEY) == ",".join(map(str, missing)), f"{what}: {out.trailing}"
@@ -528,7 +542,7 @@ class Job:
         self.expect(out, {OK}, what)
         s = out.response
         assert (s.job_id, s.world_size, s.generation) == (self.job_id, self.world_size, self.generation), f"{what}: {s}"
-        assert {m.rank: m.incarnation for m in s.members} == self.incarnations, f"{what}: members {s.members}"
+        self._check_members(s.members, what)
         assert list(s.missing_ranks) == self.missing(), what
         assert [f.rank for f in s.failures] == self.failed, f"{what}: failures {s.failures}"
         if self.serving_known:
@@ -698,6 +712,11 @@ class Driver:
         outcome = self.send(rpc, request)
         note(f"  -> {outcome.code.name} {outcome.details[:200]!r} {outcome.trailing}")
         assert_proper(outcome, what)
+        # No answer shows a process's incarnation (the proof that a call comes from that rank).
+        shown = f"{outcome.details} {outcome.trailing} {outcome.response}".lower()
+        for incarnation in self.job.incarnations.values():
+            if incarnation >= 1 << 32:
+                assert f"{incarnation:x}" not in shown and str(incarnation) not in shown, f"{what}: shows {incarnation:#x}"
         if request.ByteSize() > MAX_REQUEST_BYTES:
             # The transport refuses a message past its limit before any handler sees it.
             assert outcome.code is EXHAUSTED, f"{what}: {outcome.code} for a {request.ByteSize()}-byte message"

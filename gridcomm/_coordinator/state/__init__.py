@@ -22,6 +22,7 @@ from gridcomm._coordinator.state.common import (
     Member,
     MemberState,
     StateError,
+    process_tag,
     quote,
 )
 from gridcomm._coordinator.state.membership import REBUILD, SHRINK, JobState, Recovery
@@ -42,5 +43,6 @@ __all__ = [
     "MemberState",
     "Recovery",
     "StateError",
+    "process_tag",
     "quote",
 ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
+import secrets
 
 #: Error codes, spelled as gRPC status names so the server maps them one to one.
 INVALID_ARGUMENT = "INVALID_ARGUMENT"
@@ -78,21 +80,45 @@ class Failure:
     cause: str = ""
 
 
-@dataclasses.dataclass
-
-
 @dataclasses.dataclass(frozen=True)
 class Limits:
+    """What one job's state may hold. Why bounded in bytes: any rank that holds the token can set
+    keys and open barriers, and a buggy or hostile one must meet a clear RESOURCE_EXHAUSTED long
+    before the coordinator's process meets its memory limit (the shipped coordinator pod has 1 GiB).
+
+    Every byte the state keeps for a key, a value (whole or arriving in pieces) or a barrier counts
+    against one budget, :meth:`state_budget`, with the bookkeeping Python keeps beside it (see
+    ``KeyValue`` and ``Barriers``)."""
+
     max_key_bytes: int = 1024
     max_value_bytes: int = 64 * 1024 * 1024
     max_keys: int = 1_000_000
-    max_total_value_bytes: int = 1024 * 1024 * 1024
-    max_barrier_names: int = 1_000_000
+    #: Keys, values and values arriving in pieces, in bytes (None: only the state budget binds).
+    max_total_value_bytes: int | None = None
+    #: The state budget: this much, plus ``state_bytes_per_rank`` for every rank of the job (a
+    #: larger job keeps more per-rank keys, and a barrier of every rank costs 8 bytes per rank).
+    max_state_bytes: int = 256 * 1024 * 1024
+    state_bytes_per_rank: int = 1024
+    #: Barrier names with an instance some rank waits at (a barrier every member passed is not
+    #: pending: it costs its name and a few words, and is dropped when room is needed), in all and
+    #: opened by one rank (its arrival was the first at an instance not yet complete).
+    max_pending_barriers: int = 10_000
+    max_pending_barriers_per_rank: int = 1_000
+    #: A barrier every member passed is kept at least this long (a rank may repeat its arrival
+    #: after a broken stream or a wait's slice), and then only while room allows.
+    barrier_retain_s: float = 300.0
+    #: Calls of one rank that wait at once (gets of keys not yet set, barriers, its join); the
+    #: relay of a group carries its group's waits as one each.
+    max_waits_per_rank: int = 1024
     max_name_bytes: int = 1024
     max_hostname_bytes: int = 256
     #: A pre-rendezvous member with no call in flight for this long may be replaced by a new
     #: incarnation (its process died while joining); a live one re-polls well within it.
     stale_join_s: float = 2.0
+
+    def state_budget(self, world_size: int) -> int:
+        """The bytes a job of ``world_size`` ranks may keep in keys, values and barriers."""
+        return self.max_state_bytes + self.state_bytes_per_rank * world_size
 
 
 class StateBase:
@@ -131,3 +157,37 @@ class StateBase:
 
     def _drop_pieces(self, rank: int) -> None:
         """A rank that left or failed will not finish its values in pieces (see KeyValue)."""
+
+    # What the state holds, in bytes, against Limits.state_budget (see KeyValue and Barriers).
+    _kv_bytes: int
+    _pieces_cost: int
+    _barrier_bytes: int
+
+    def _state_bytes(self) -> int:
+        return self._kv_bytes + self._pieces_cost + self._barrier_bytes
+
+    def _budget(self) -> int:
+        return self.limits.state_budget(self.world_size)
+
+    def _full_error(self, what: str, grow: int) -> StateError:
+        return StateError(
+            RESOURCE_EXHAUSTED,
+            f"{what} was refused: it needs {grow} bytes, and the coordinator's state holds {self._state_bytes()} of its "
+            f"{self._budget()} bytes (keys {self._kv_bytes}, values in pieces {self._pieces_cost}, barriers "
+            f"{self._barrier_bytes}); does a rank set keys or open barrier names without end?",
+        )
+
+
+#: The key of process_tag: random per coordinator process, so a tag cannot be matched against
+#: guessed incarnations.
+_TAG_KEY = secrets.token_bytes(16)
+
+
+def process_tag(incarnation: int) -> str:
+    """What answers and messages show for a process instead of its incarnation (8 hex digits).
+
+    Why: the incarnation, 64 random bits only its process and the coordinator know, is what
+    proves a call comes from that rank's process; shown to one token holder, it would let that
+    holder heartbeat as a dead rank or report it failed. The tag tells processes apart (a
+    replacement has another) and cannot be turned back into the incarnation."""
+    return hashlib.blake2s(incarnation.to_bytes(8, "little"), key=_TAG_KEY, digest_size=4).hexdigest()

@@ -16,6 +16,7 @@ from gridcomm._coordinator.state.common import (
     Member,
     MemberState,
     StateError,
+    process_tag,
     quote,
 )
 from gridcomm._coordinator.state.keyvalue import KeyValue
@@ -71,17 +72,9 @@ class JobState(Liveness, Barriers, KeyValue):
         self.members = {}
         self.failures = []
         self._failed = {}
-        self.kv = {}
-        self._kv_bytes = 0
-        #: Each key's version: the count of sets when it was last set (a reader of a value in
-        #: pieces names it, so a value set again midway is not read torn).
-        self._versions = {}
         self._sets = 0
-        #: Values arriving in pieces, by (rank, key): the announced size and what came so far.
-        #: Their announced sizes count towards max_total_value_bytes from the first piece on.
-        self._pieces = {}
-        self._pieces_bytes = 0
-        self.barriers = {}
+        self._clear_keys()
+        self._clear_barriers()
         self.left_count = 0
         self.completed_at = None
         #: Every rank of the generation, as one shared tuple: an arrival at a whole-job barrier
@@ -188,7 +181,7 @@ class JobState(Liveness, Barriers, KeyValue):
         if waiting.active_calls > 0 or now - waiting.last_seen < self.limits.stale_join_s:
             raise StateError(
                 ALREADY_EXISTS,
-                f"rank {waiting.rank} {taken} on {waiting.hostname or '?'} (incarnation {waiting.incarnation:#x}); "
+                f"rank {waiting.rank} {taken} on {waiting.hostname or '?'} (process {process_tag(waiting.incarnation)}); "
                 "each rank must be started exactly once.",
             )
         return False
@@ -220,7 +213,7 @@ class JobState(Liveness, Barriers, KeyValue):
             heard = f"heard from {now - old.last_seen:.1f} s ago"
             raise StateError(
                 ALREADY_EXISTS,
-                f"rank {rank} is held by a live process on {old.hostname or '?'} (incarnation {old.incarnation:#x}, "
+                f"rank {rank} is held by a live process on {old.hostname or '?'} (process {process_tag(old.incarnation)}, "
                 f"{heard}) in generation {_shown(self.generation)}; a second process for it is refused. A replacement "
                 "is admitted only once its predecessor has failed.",
                 predecessor_alive=True,
@@ -261,7 +254,7 @@ class JobState(Liveness, Barriers, KeyValue):
         if member is None or member.incarnation != incarnation:
             raise StateError(
                 FAILED_PRECONDITION,
-                f"rank {rank} (incarnation {incarnation:#x}) asked to recover generation {_shown(base)}, but it is not a "
+                f"rank {rank} (process {process_tag(incarnation)}) asked to recover generation {_shown(base)}, but it is not a "
                 f"member of generation {_shown(self.generation)}; a new process joins without naming a generation.",
             )
         if base == self.generation - 1 and self.recovered_from == (base, mode):
@@ -364,12 +357,8 @@ class JobState(Liveness, Barriers, KeyValue):
         self.past_failures.extend(self.failures)
         self.failures = []
         self._failed = {}
-        self.kv = {}
-        self._kv_bytes = 0
-        self._versions = {}
-        self._pieces = {}
-        self._pieces_bytes = 0
-        self.barriers = {}
+        self._clear_keys()
+        self._clear_barriers()
         self.left_count = 0
         self.members = members
         self._everyone = active if len(active) < self.world_size else tuple(range(self.world_size))
@@ -406,8 +395,8 @@ class JobState(Liveness, Barriers, KeyValue):
         if member.incarnation != incarnation:
             raise StateError(
                 FAILED_PRECONDITION,
-                f"rank {rank} called {what} as incarnation {incarnation:#x}, but the rank belongs to incarnation "
-                f"{member.incarnation:#x}; a restarted process cannot use the old process's session.",
+                f"rank {rank} called {what} as process {process_tag(incarnation)}, but the rank belongs to process "
+                f"{process_tag(member.incarnation)}; a restarted process cannot use the old process's session.",
             )
         if generation != self.generation and not (any_generation and 0 < generation < self.generation):
             raise StateError(
