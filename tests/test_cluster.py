@@ -172,8 +172,13 @@ def test_torchrun_variables():
 
 
 def test_torchrun_agent_store_keeps_master_port_so_the_coordinator_takes_another():
-    info = detect({**TORCHRUN, "TORCHELASTIC_USE_AGENT_STORE": "True"}, hostname="h")
-    assert (info.host, info.port) == ("master.example", _config.DEFAULT_PORT)
+    agent = {**TORCHRUN, "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "run-a"}
+    info = detect(agent, hostname="h")
+    assert info.host == "master.example" and 20000 <= info.port < 32000 and info.port != 29500
+    # Every rank of the job derives the same port; another job (its own store port or run id) another.
+    assert detect({**agent, "RANK": "0", "LOCAL_RANK": "0"}, hostname="other").port == info.port
+    assert detect({**agent, "MASTER_PORT": "29501"}, hostname="h").port != info.port
+    assert detect({**agent, "TORCHELASTIC_RUN_ID": "run-b"}, hostname="h").port != info.port
     info = detect({**TORCHRUN, "TORCHELASTIC_USE_AGENT_STORE": "True", "GRIDCOMM_PORT": "7000"}, hostname="h")
     assert info.port == 7000
 

@@ -144,3 +144,45 @@ def test_launch_with_relay_on_carries_the_ranks_through_its_relay(tmp_path):
     result = launch("--nproc", "2", "--backend", "host", "-m", "gridcomm._cli.demo", env=dict(ENV, GRIDCOMM_RELAY="on"))
     assert result.returncode == 0, result.stderr
     assert result.stdout.count('"ok": true') == 20
+
+
+@pytest.mark.timeout(120)
+def test_two_torchrun_jobs_with_agent_stores_on_one_host_do_not_collide(tmp_path):
+    """Under torchrun's agent store (its TCPStore on MASTER_PORT) and no GRIDCOMM_PORT, each job's
+    ranks derive one coordinator port of their own: two such jobs run side by side."""
+    import socket
+
+    script = tmp_path / "torchrun_style.py"
+    script.write_text("import numpy as np, gridcomm\n"
+                      "with gridcomm.init_process_group(backend='host') as comm:\n"
+                      "    x = np.full(3, comm.rank + 1.0); comm.all_reduce(x, x)\n"
+                      "    comm.barrier('both-up')\n"
+                      "    print('RESULT', comm.rank, comm.world_size, x.tolist(), flush=True)\n")
+    stores = []
+    for _ in range(2):  # what torchrun's agents hold: a listening store port per job
+        store = socket.socket()
+        store.bind(("127.0.0.1", 0))
+        store.listen()
+        stores.append(store)
+    procs = []
+    try:
+        for job, store in enumerate(stores):
+            for rank in range(2):
+                env = {k: v for k, v in ENV.items() if not k.startswith("GRIDCOMM_")}
+                env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(store.getsockname()[1]), TORCHELASTIC_USE_AGENT_STORE="True",
+                           TORCHELASTIC_RUN_ID=f"job-{job}", GRIDCOMM_BIND="127.0.0.1", GRIDCOMM_TIMEOUT_S="30",
+                           PYTHONPATH=ROOT)
+                procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        for store in stores:
+            store.close()
+    for i, (out, err) in enumerate(outs):
+        assert procs[i].returncode == 0, err
+        assert f"RESULT {i % 2} 2 [3.0, 3.0, 3.0]" in out, out + err

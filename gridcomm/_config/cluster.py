@@ -12,6 +12,7 @@ a name derived from the pod's hostname, ``GRIDCOMM_WORLD_SIZE`` over ``WORLD_SIZ
 
 from __future__ import annotations
 
+import hashlib
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -157,9 +158,30 @@ class Torchrun(Detector):
     def detect(env: Mapping[str, str], names: _HostNames) -> ClusterInfo:
         if (_get(env, "TORCHELASTIC_USE_AGENT_STORE") or "").lower() == "true":
             # torchrun's agent already listens on MASTER_PORT (its TCPStore) on the master node, so
-            # the coordinator must not take it: GRIDCOMM_PORT or the default port instead.
+            # the coordinator must not take it: GRIDCOMM_PORT, else a port every rank of this job
+            # derives alike and another job almost never does (see agent_store_port).
+            store_port = _get(env, "MASTER_PORT") or ""
             env = {k: v for k, v in env.items() if k != "MASTER_PORT"}
+            if not any(_get(env, name) for name in ("GRIDCOMM_PORT", "CUPYX_DISTRIBUTED_PORT")):
+                env["GRIDCOMM_PORT"] = str(agent_store_port(_get(env, "TORCHELASTIC_RUN_ID") or "",
+                                                            _get(env, "MASTER_ADDR") or "", store_port))
         return _from_config(env, Torchrun.name)
+
+
+#: The ports agent_store_port picks from: below Linux's ephemeral range (32768-60999), so no
+#: connection's local port takes it, and above the well-known services.
+AGENT_STORE_PORTS = range(20000, 32000)
+
+
+def agent_store_port(run_id: str, master_addr: str, master_port: str) -> int:
+    """The coordinator's port under torchrun's agent store: derived from torchrun's run id and its
+    store's address, which every rank of one job shares and two jobs on one host do not (two
+    torchrun jobs there have different store ports). Why not a fixed default: two such jobs on one
+    host both bound 13333 ("already in use"). Two jobs meet on one port with odds 1 in 12,000;
+    then the bind fails at once naming GRIDCOMM_PORT, which sets the port by hand."""
+    digest = hashlib.blake2s(f"{run_id}\0{master_addr}\0{master_port}".encode(), digest_size=8).digest()
+    port = AGENT_STORE_PORTS[int.from_bytes(digest, "big") % len(AGENT_STORE_PORTS)]
+    return port if str(port) != master_port else port + 1 if port + 1 in AGENT_STORE_PORTS else AGENT_STORE_PORTS[0]
 
 
 def _fixed_count(env: Mapping[str, str], name: str, default: int) -> int:

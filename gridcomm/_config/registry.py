@@ -26,7 +26,9 @@ class Variable:
 VARIABLES: tuple[Variable, ...] = (
     Variable("GRIDCOMM_HOST", "host", "`127.0.0.1` (cupyx's)", "the coordinator's address, as ranks dial it",
              "`host=`", ("CUPYX_DISTRIBUTED_HOST", "MASTER_ADDR")),
-    Variable("GRIDCOMM_PORT", "port", "`13333` (cupyx's)", "the coordinator's port", "`port=`",
+    Variable("GRIDCOMM_PORT", "port", "`13333` (cupyx's); under torchrun's agent store (`TORCHELASTIC_USE_AGENT_STORE`, "
+             "which holds `MASTER_PORT`) a port in 20000-31999 derived from `TORCHELASTIC_RUN_ID` and `MASTER_PORT`, "
+             "the same for every rank of the job", "the coordinator's port", "`port=`",
              ("CUPYX_DISTRIBUTED_PORT", "MASTER_PORT")),
     Variable("GRIDCOMM_BIND", "host", "`0.0.0.0` (a warning is logged when no token is set)",
              "the listen address of rank 0's embedded coordinator (and of `gridcomm serve`)", "`bind=` (`Coordinator`)"),
