@@ -19,6 +19,22 @@ def launch(*args: str, timeout: float = 120, env: dict | None = None) -> subproc
                           timeout=timeout, env=env or ENV)
 
 
+def start_script(script, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def finish(procs: list, timeout: float) -> list[tuple[str, str]]:
+    """Each process's output; any still running at the end (a failed wait) is killed, by PID."""
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
 @pytest.mark.timeout(60)
 def test_launch_sets_environment_and_prefixes_output(tmp_path):
     script = tmp_path / "show.py"
@@ -112,15 +128,8 @@ def test_init_process_group_from_a_torchrun_environment(tmp_path):
         env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT="1", GRIDCOMM_PORT=port, GRIDCOMM_BIND="127.0.0.1", GRIDCOMM_TIMEOUT_S="30",
                    PYTHONPATH=ROOT)
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    try:
-        outs = [p.communicate(timeout=60) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+        procs.append(start_script(script, env))
+    outs = finish(procs, 60)
     for rank, (out, err) in enumerate(outs):
         assert procs[rank].returncode == 0, err
         assert f"RESULT {rank} 2 [3.0, 3.0, 3.0]" in out
@@ -173,14 +182,9 @@ def test_two_torchrun_jobs_with_agent_stores_on_one_host_do_not_collide(tmp_path
                            MASTER_PORT=str(store.getsockname()[1]), TORCHELASTIC_USE_AGENT_STORE="True",
                            TORCHELASTIC_RUN_ID=f"job-{job}", GRIDCOMM_BIND="127.0.0.1", GRIDCOMM_TIMEOUT_S="30",
                            PYTHONPATH=ROOT)
-                procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                              stderr=subprocess.PIPE, text=True))
-        outs = [p.communicate(timeout=90) for p in procs]
+                procs.append(start_script(script, env))
+        outs = finish(procs, 90)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
         for store in stores:
             store.close()
     for i, (out, err) in enumerate(outs):
