@@ -584,8 +584,12 @@ def test_scans_of_many_pending_barriers_do_not_stall_the_loop() -> None:
             raise AssertionError("Status waited")
 
         on_loop(fill)
-        snapshot_s, snap = on_loop(lambda: _metrics._snapshot(server))
-        status_s, reply = on_loop(status)
+        # Why the least of five: a collection of the interpreter's garbage (100,000 barriers are
+        # many objects) may land in any one call and is not the call's own work.
+        runs = [on_loop(lambda: _metrics._snapshot(server)) for _ in range(5)]
+        print("snapshots", [round(r[0] * 1e3, 2) for r in runs])
+        snapshot_s, snap = min(runs, key=lambda r: r[0])
+        status_s, reply = min((on_loop(status) for _ in range(5)), key=lambda r: r[0])
         print(f"\n{names} pending barriers: a metrics snapshot {snapshot_s * 1e3:.2f} ms and Status {status_s * 1e3:.2f} "
               f"ms of the loop's CPU; Status {reply.ByteSize()} bytes, {len(reply.barriers)} barriers listed")
         assert snap.pending_barriers == names and snap.oldest_barrier_s > 0
