@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 
 import gridcomm
@@ -387,3 +388,26 @@ def test_a_failure_is_reported_once_and_survivors_that_exit_are_not_errors(coord
     assert errors == ["coordinator: rank 2 reported a failure: boom"], errors
     later = [r.getMessage() for r in caplog.records if "after rank 2's failure" in r.getMessage()]
     assert len(later) == 2 and all(r.levelname == "INFO" for r in caplog.records if r.getMessage() in later), later
+
+
+@pytest.mark.timeout(60)
+def test_status_carries_refused_joins_within_the_metadata_limit_whatever_their_host_names(fresh_server):
+    """Refused joins from hosts with long non-ASCII names (escaped six-fold in the JSON trailer):
+    Status still answers, with the latest refusals in a trailer well under gRPC's 8 KiB limit."""
+    from gridcomm._proto import coordinator_pb2 as pb
+    from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+
+    server, channel = fresh_server
+    stub = pb_grpc.CoordinatorStub(channel)
+    host = "\U0001f600" * 64  # 256 bytes, the limit; 12 escaped bytes per character
+    with pytest.raises(grpc.RpcError):  # rank 0 waits for rank 1 (its join's wait ends first)
+        stub.Join(pb.JoinRequest(job_id=server.job_id, rank=0, world_size=2, incarnation=1, hostname=host,
+                                 wait_s=0.1), timeout=10)
+    for i in range(12):
+        with pytest.raises(grpc.RpcError):  # a second process for rank 0: refused, naming the holder's host
+            stub.Join(pb.JoinRequest(job_id=server.job_id, rank=0, world_size=2, incarnation=2 + i,
+                                     hostname=host, wait_s=0.1), timeout=10)
+    reply, call = stub.Status.with_call(pb.StatusRequest(), timeout=10)
+    trailer = dict(call.trailing_metadata())["gridcomm-refused-joins"]
+    assert 0 < len(trailer) <= 8192 - 1024, len(trailer)
+    assert "ALREADY_EXISTS" in trailer, trailer[:300]

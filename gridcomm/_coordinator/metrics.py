@@ -34,6 +34,8 @@ BARRIER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    120.0, 300.0, 600.0)
 #: Trailing metadata of a Status answer: the latest refused joins, as JSON.
 REFUSED_JOINS_KEY = "gridcomm-refused-joins"
+#: The refused joins' trailer at most (gRPC clients drop an answer whose metadata passes 8 KiB).
+MAX_REFUSALS_TRAILER_BYTES = 4096
 #: Refused joins kept for status, and how many the Status trailer carries.
 _KEEP_REFUSALS = 16
 _SEND_REFUSALS = 8
@@ -144,9 +146,16 @@ class CoordinatorMetrics:
         """The latest refused joins as Status trailing metadata (ASCII JSON, bounded)."""
         if not self.refused_joins:
             return ()
-        recent = list(self.refused_joins)[-_SEND_REFUSALS:]
-        text = json.dumps([{"rank": r.rank, "hostname": r.hostname[:64], "at_unix_s": round(r.at_unix_s, 3),
-                            "code": r.code, "reason": r.reason[:200]} for r in recent], ensure_ascii=True)
+        recent = [{"rank": r.rank, "hostname": r.hostname[:64], "at_unix_s": round(r.at_unix_s, 3), "code": r.code,
+                   "reason": r.reason[:200]} for r in list(self.refused_joins)[-_SEND_REFUSALS:]]
+        text = json.dumps(recent, ensure_ascii=True)
+        while len(text) > MAX_REFUSALS_TRAILER_BYTES and len(recent) > 1:
+            # Why by bytes, not only by count: escaped non-ASCII host names grow six-fold, and past
+            # gRPC's 8 KiB metadata soft limit the client drops the whole answer. Oldest go first.
+            recent.pop(0)
+            text = json.dumps(recent, ensure_ascii=True)
+        if len(text) > MAX_REFUSALS_TRAILER_BYTES:
+            return ()
         return ((REFUSED_JOINS_KEY, text),)
 
 
