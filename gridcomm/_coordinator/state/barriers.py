@@ -244,7 +244,14 @@ class Barriers(StateBase):
         self._passed_bytes += cost
         barrier.cost = cost
         barrier.passed_at = now
-        self._passed.append(barrier.name)
+        # Why the head is trimmed here: a name used again and again (a training step's barrier)
+        # passes once per instance, and its earlier entries, stale, would otherwise stay queued
+        # until the budget is pressed. Amortised O(1), as in _drop_passed.
+        queue = self._passed
+        while queue and (head := self.barriers.get(queue[0])) is not None and (head.queued > 1 or head.arrived is not None):
+            queue.popleft()
+            head.queued -= 1
+        queue.append(barrier.name)
         barrier.queued += 1
         if self._passed_bytes > self._budget() // 4:
             self._drop_passed(now, 0)
