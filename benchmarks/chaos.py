@@ -7,7 +7,8 @@ Two measurements, default bounds (liveness 15 s, connection grace 2 s), host bac
    ``rebuild()`` on ``RankFailedError`` (again if that raises). Each cycle waits until every rank
    has had a good step, kills a random rank with SIGKILL and starts its replacement at once (a
    pod restarted without delay); some cycles kill a second rank (another survivor) 0.5-3 s after
-   the first, while the survivors recover. A cycle ends when every rank of the job (the
+   the first, while the survivors recover; some kill the replacement again 0.3-1.5 s after its start,
+   while it waits in its join. A cycle ends when every rank of the job (the
    replacements too) has a good step (right sums) in one generation formed after the last kill.
    Printed: last kill -> every rank good again (and, for the double kills, first kill -> good),
    and per victim the kill -> first survivor told, with the reason the coordinator gave.
@@ -223,12 +224,19 @@ def kill_cycles(args: argparse.Namespace, log_dir: str) -> list[dict[str, Any]]:
             t_first = ranks[first].kill()
             start(first)
             kills = [(first, t_first)]
+            joining: list[float] = []  # kills of replacements while they joined
+            if rng.random() < args.join_kill_share:
+                # The replacement dies too, while it waits in its join (a pod that crash-loops):
+                # it must not be admitted; the next one is.
+                time.sleep(rng.uniform(0.3, 1.5))
+                joining.append(ranks[first].kill())
+                start(first)
             if second is not None:
                 time.sleep(max(0.0, t_first + delay - time.time()))
                 t_second = ranks[second].kill()
                 start(second)
                 kills.append((second, t_second))
-            t_last = kills[-1][1]
+            t_last = max([t for _, t in kills] + joining)
             try:
                 generation, at = wait_until(lambda t_last=t_last: good_generation(ranks, t_last), args.cycle_timeout_s,
                                             f"cycle {n}: every rank good after the kill")
@@ -236,7 +244,7 @@ def kill_cycles(args: argparse.Namespace, log_dir: str) -> list[dict[str, Any]]:
                 cycles.append({"cycle": n, "kills": kills, "error": str(exc)})
                 print(f"cycle {n:2d}: {exc}", flush=True)
                 break
-            cycle: dict[str, Any] = {"cycle": n, "kills": kills, "generation": generation,
+            cycle: dict[str, Any] = {"cycle": n, "kills": kills, "joining_kills": joining, "generation": generation,
                                      "good_after_last_s": at - t_last, "good_after_first_s": at - t_first,
                                      "wrong": sum(len(p.seen("WRONG")) for p in every), "victims": []}
             for victim, t_kill in kills:
@@ -246,8 +254,9 @@ def kill_cycles(args: argparse.Namespace, log_dir: str) -> list[dict[str, Any]]:
             cycles.append(cycle)
             victims = ", ".join(f"rank {v['rank']} told {v['told_s']:.2f} s ({v['reason']})" if v["told_s"] is not None
                                 else f"rank {v['rank']} (told: not seen)" for v in cycle["victims"])
-            extra = f", first kill -> good {cycle['good_after_first_s']:.2f} s, 2nd kill +{delay:.2f} s" \
-                if second is not None else ""
+            extra = f", first kill -> good {cycle['good_after_first_s']:.2f} s" if len(kills) > 1 or joining else ""
+            extra += f", 2nd kill +{delay:.2f} s" if second is not None else ""
+            extra += f", replacement killed while joining +{joining[0] - t_first:.2f} s" if joining else ""
             print(f"cycle {n:2d}: kill -> every rank good {cycle['good_after_last_s']:.2f} s{extra}; {victims}; "
                   f"generation {generation}, wrong {cycle['wrong']}", flush=True)
     finally:
@@ -316,6 +325,11 @@ def summary(cycles: list[dict[str, Any]], rank0: list[dict[str, Any]]) -> dict[s
     if firsts:
         result["double_first_kill_good_median_s"] = statistics.median(firsts)
         result["double_first_kill_good_max_s"] = max(firsts)
+    joins = [c["good_after_first_s"] for c in done if c["joining_kills"]]
+    result["joining_kills"] = len(joins)
+    if joins:
+        result["joining_first_kill_good_median_s"] = statistics.median(joins)
+        result["joining_first_kill_good_max_s"] = max(joins)
     return result
 
 
@@ -326,6 +340,8 @@ def main() -> int:
                     help="cycles of rank 0 (hosting the coordinator) killed, SIGKILL and SIGTERM alternating")
     ap.add_argument("--double-share", type=float, default=0.3,
                     help="share of kill cycles that kill a second rank 0.5-3 s after the first")
+    ap.add_argument("--join-kill-share", type=float, default=0.2,
+                    help="share of cycles whose replacement is killed again while it joins (default %(default)s)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--cycle-timeout-s", type=float, default=90.0)
     ap.add_argument("--json", default=None, help="write the raw results here")
@@ -350,6 +366,9 @@ def main() -> int:
     if "double_first_kill_good_median_s" in result:
         print(f"  double kills, from the first kill: median {s(result['double_first_kill_good_median_s'])}, "
               f"max {s(result['double_first_kill_good_max_s'])}")
+    if "joining_first_kill_good_median_s" in result:
+        print(f"  {result['joining_kills']} replacements killed while joining; from the first kill: median "
+              f"{s(result['joining_first_kill_good_median_s'])}, max {s(result['joining_first_kill_good_max_s'])}")
     print(f"  kill -> first survivor told: median {s(result['told_median_s'])}, max {s(result['told_max_s'])}; "
           f"reasons {result['reasons']}")
     print(f"rank 0 (embedded coordinator) killed: {len(rank0)} cycles; kill -> every other rank raised: median "

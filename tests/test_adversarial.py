@@ -537,6 +537,44 @@ def test_a_rank_holding_the_token_meets_clear_limits_on_barriers_and_waits(serve
 
 
 @pytest.mark.timeout(120)
+def test_a_session_client_that_never_reads_its_answers_is_cut_off_not_buffered(served: Served) -> None:
+    """A token holder writes operations the coordinator refuses at once (no operation named) and
+    never reads the answers: flow control holds the coordinator's writes, and the refusals must
+    not pile up behind them (each ~1 KB: 300,000 were +300 MB). The stream ends with
+    RESOURCE_EXHAUSTED, memory stays bounded, and the other ranks are served."""
+    token_holders_are_served(served.port, "before")
+    base = served.reset_peak()
+    total = 300_000
+
+    sent = [0, time.monotonic()]  # operations written, when the last write ended
+
+    def requests() -> Iterator[pb.SessionRequest]:
+        for start in range(0, total, 2000):
+            yield pb.SessionRequest(ops=[pb.SessionOp(id=i) for i in range(start, start + 2000)])
+            sent[:] = [sent[0] + 2000, time.monotonic()]
+
+    # (The synchronous API: grpc.aio reports a write pending at the end as INTERNAL, hiding the status.)
+    with grpc.insecure_channel(f"127.0.0.1:{served.port}") as channel:
+        answers = pb_grpc.CoordinatorStub(channel).Session(requests(), metadata=(("authorization", f"Bearer {TOKEN}"),),
+                                                           timeout=60.0)
+        # Unread until the writes stall (the coordinator stopped reading) or all are out.
+        while sent[0] < total and time.monotonic() - sent[1] < 0.5:
+            time.sleep(0.05)
+        code, text = grpc.StatusCode.OK, ""
+        try:
+            for _ in answers:
+                pass  # now read: what was written before the end, then the status
+        except grpc.RpcError as exc:
+            code, text = exc.code(), exc.details() or ""
+    sent_count = sent[0]
+    growth = served.peak_growth_mb(base)
+    print(f"\n{sent_count} operations sent unread: {code.name} ({text[:90]}); peak RSS +{growth:.1f} MB")
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and "answers its client has not read" in text, (code, text)
+    assert growth <= RSS_BOUND_MB, f"peak RSS grew by {growth:.1f} MB (bound {RSS_BOUND_MB} MB)"
+    token_holders_are_served(served.port, "after")
+
+
+@pytest.mark.timeout(120)
 def test_scans_of_many_pending_barriers_do_not_stall_the_loop() -> None:
     """100,000 pending barrier names (a limit raised for the test): one metrics snapshot and one
     Status answer each hold the coordinator's loop for O(1) and O(what Status lists), measured as

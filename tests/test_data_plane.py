@@ -340,6 +340,31 @@ def test_segment_names_left_by_dead_processes_are_swept_and_live_ones_kept(tmp_p
                 os.unlink(path)
 
 
+def test_a_segment_of_another_user_or_with_open_permissions_is_not_mapped() -> None:
+    """A peer's segment is mapped only when it is this user's with mode 600 (as the peer made it):
+    one another user planted under the announced name, or one opened up to others, is refused
+    (the link then falls back to sockets)."""
+    from gridcomm._backends.host import shm
+
+    if not shm.usable():
+        pytest.skip("no usable /dev/shm")
+    made = shm.Segment.create(2, 4096)
+    path = os.path.join(shm.SHM_DIR, made.name)
+    try:
+        shm.Segment.open(made.name, made.cookie, 2, 4096).close()  # as made: mapped
+        os.chmod(path, 0o660)
+        with pytest.raises(shm.ShmUnavailable, match="mode 660"):
+            shm.Segment.open(made.name, made.cookie, 2, 4096)
+        os.chmod(path, 0o600)
+        if os.geteuid() == 0:  # CI runs as root: it can give the file away
+            os.chown(path, 12345, 12345)
+            with pytest.raises(shm.ShmUnavailable, match="owned by uid 12345"):
+                shm.Segment.open(made.name, made.cookie, 2, 4096)
+    finally:
+        shm.unlink(made.name)
+        made.close()
+
+
 # ---------------------------------------------------------------------------------------------- idle sockets
 # Issue 27, item 1: sockets that never authenticate (idle, or trickling bytes) held against each
 # rank's data-plane port must not stop the job's first links, nor a split's.

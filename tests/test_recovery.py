@@ -74,6 +74,11 @@ while good_after < steps_after and not (max_steps and step >= max_steps):
             emit("DYING")
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(recover_delay)
+        gate = os.environ.get("RECOVER_GATE")
+        if gate:  # the test says when the survivors call their recovery
+            until = time.monotonic() + 60
+            while not os.path.exists(gate) and time.monotonic() < until:
+                time.sleep(0.02)
         while True:
             try:
                 comm = comm.rebuild(timeout_s=60) if mode == "rebuild" else comm.shrink(timeout_s=60)
@@ -260,6 +265,33 @@ def test_a_replacement_that_arrives_before_the_survivors_call_rebuild_waits_for_
     assert abs(joined_at["at"] - max(recovered)) < 3.0, everything
 
 
+@pytest.mark.timeout(150)
+def test_a_replacement_killed_while_it_waits_in_its_join_is_not_admitted(run, tmp_path):
+    gate = tmp_path / "rebuild"
+    job = run(RECOVERY="rebuild", DIE_RANK="2", RECOVER_GATE=str(gate))
+    job.died(2)
+    job.replace(2)
+    doomed = job.replacements[0].procs[2]
+    state = job.server.state
+    # It waits in its join for the survivors (who wait for the gate): the replacement of rank 2.
+    wait_for(lambda: state.recovery is not None and 2 in state.recovery.replacements, "the replacement waits", 60)
+    doomed.kill()
+    doomed.wait(10)
+    wait_for(lambda: 2 not in state.recovery.replacements, "the dead replacement is dropped", 20)
+    gate.touch()  # the survivors call rebuild() right after: the dead replacement must not complete it
+    # (The old code formed generation 1 here, with the dead process as rank 2.)
+    wait_for(lambda: state.generation > 1 or state.recovery is not None and
+             all(r in state.recovery.survivors for r in (0, 1, 3)), "the survivors are in rebuild()", 60)
+    job.replace(2)  # the pod restarted again
+    first, (_, again) = job.wait(120)
+    everything = report(first) + "\n--- second replacement\n" + report(again)
+    check_finished(first, [0, 1, 3], [0, 1, 2, 3], 1, everything)  # one recovery: generation 1, nobody failed twice
+    check_finished(again, [2], [0, 1, 2, 3], 1, everything)
+    for rank in (0, 1, 3):
+        assert [f["failed"] for f in lines(first[rank].stdout, "FAILED")] == [2], everything
+        assert not lines(first[rank].stdout, "RETRY"), everything
+
+
 @pytest.mark.timeout(120)
 def test_a_replacement_for_a_rank_that_never_failed_is_refused_and_the_job_goes_on(run):
     job = run(RECOVERY="rebuild", MAX_STEPS="80", STEP_SLEEP_S="0.1")  # nobody dies: about 8 s of steps
@@ -283,6 +315,34 @@ except gridcomm.GridcommError as exc:
         assert first[rank].returncode == 0 and not lines(first[rank].stdout, "FAILED"), everything
         assert lines(first[rank].stdout, "DONE")[0]["step"] == 80, everything
     print(f"\nduplicate of a live rank refused {refused_in:.2f} s after it started (process start included)")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_while_it_waits_in_the_first_rendezvous_is_not_counted(coordinator_factory):
+    server = coordinator_factory(3, heartbeat_timeout_s=HB)
+    env = {"GRIDCOMM_COORDINATOR": "external", "GRIDCOMM_HOST": "127.0.0.1", "GRIDCOMM_PORT": str(server.port),
+           "GRIDCOMM_HEARTBEAT_TIMEOUT_S": f"{HB:g}", "GRIDCOMM_BACKEND": "host"}
+    code = r"""
+import numpy as np, gridcomm
+comm = gridcomm.init_process_group(3, backend="host", timeout_s=60)
+x = np.full(4, comm.rank + 1.0)
+comm.all_reduce(x, x, op="sum")
+print("SUM", float(x[0]), comm.generation, flush=True)
+comm.stop()
+"""
+    doomed = RankProcesses(code, 3, env=env, ranks=[2])
+    wait_for(lambda: 2 in server.state.members, "rank 2 waits in the rendezvous", 60)
+    doomed.close()  # SIGKILL while it waits
+    wait_for(lambda: 2 not in server.state.members, "the dead rank 2 is dropped (its call was cancelled)", 20)
+    # Ranks 0 and 1 join now: the rendezvous must not complete with the dead rank 2 (the old code
+    # completed it, and rank 2's silence then failed the job).
+    first = RankProcesses(code, 3, env=env, ranks=[0, 1])
+    wait_for(lambda: all(r in server.state.members for r in (0, 1)), "ranks 0 and 1 wait", 60)
+    assert server.state.generation == 0, "the rendezvous completed without a live rank 2"
+    again = RankProcesses(code, 3, env=env, ranks=[2])  # the pod restarted
+    results = {**first.wait(90), **again.wait(30)}
+    for r in results.values():
+        assert r.returncode == 0 and "SUM 6.0 0" in r.stdout, report(results)
 
 
 @pytest.mark.timeout(90)

@@ -11,9 +11,10 @@ A waiting operation costs a future, never a thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import grpc
@@ -309,8 +310,9 @@ class Servicer:
         if answer == "recovery":
             return await self._await_recovery(request, base, deadline)
         member = state.members[request.rank]
-        ok = await self._wait(("join",), lambda: state.complete, request.wait_s, deadline,
-                              f"join of rank {request.rank}", member=member)
+        with self._abandoned_if_cancelled(request):
+            ok = await self._wait(("join",), lambda: state.complete, request.wait_s, deadline,
+                                  f"join of rank {request.rank}", member=member)
         if not state.is_current(member):
             raise Abort(grpc.StatusCode.ABORTED, f"rank {request.rank} was replaced by a newer process while joining.")
         if not ok:
@@ -388,15 +390,30 @@ class Servicer:
                     f"has not been heard from since this one came; waiting for the coordinator to mark it failed "
                     f"(liveness bound {self._owner.heartbeat_timeout_s:g} s)", ((MISSING_KEY, ranks_text([request.rank])),))
 
+    @contextlib.contextmanager
+    def _abandoned_if_cancelled(self, request: pb.JoinRequest) -> Iterator[None]:
+        """A join whose call is cancelled while it waits (its process died: the connection
+        dropped) stops counting a process that is not yet in a generation (see
+        JobState.join_abandoned): a replacement killed while it waits is not admitted."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            if self._state.join_abandoned(request.rank, request.incarnation, self._now()):
+                (log.warning if self._state.complete else log.info)(
+                    "coordinator: rank %d's join (process %s) ended before its generation formed; it is not counted",
+                    request.rank, process_tag(request.incarnation))
+            raise
+
     async def _await_recovery(self, request: pb.JoinRequest, base: int, deadline: float | None) -> pb.JoinResponse:
         """Waits until the generation this join entered has formed (a recovery completes), or a
         failure during it, or the bounded wait ends (then the ranks still awaited are named)."""
         state = self._state
         rank, incarnation = request.rank, request.incarnation
         base = base or state.generation
-        ok = await self._wait(("join",), lambda: state.recovery_check(rank, incarnation, base), request.wait_s,
-                              deadline, f"recovery of generation {shown_generation(base)}", fail_fast=False,
-                              member=state.recovery_waiter(rank, incarnation))
+        with self._abandoned_if_cancelled(request):
+            ok = await self._wait(("join",), lambda: state.recovery_check(rank, incarnation, base), request.wait_s,
+                                  deadline, f"recovery of generation {shown_generation(base)}", fail_fast=False,
+                                  member=state.recovery_waiter(rank, incarnation))
         if not ok:
             missing = state.missing_join()
             raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED,

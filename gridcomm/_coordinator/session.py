@@ -43,6 +43,9 @@ class ServerSession:
         # Why a bound: a client that sends operations that never complete (gets of keys nobody
         # sets) must not grow the coordinator without limit.
         self._max_ops = max(1024, 2 * servicer.world_size + 64)
+        # Why a bound on answers too: refusals come at once, so a client that sends and never
+        # reads would pile them up here behind a write that flow control holds.
+        self._max_results = 4 * self._max_ops
 
     async def serve(self) -> None:
         writer = asyncio.ensure_future(self._write())
@@ -56,6 +59,10 @@ class ServerSession:
                                 "a Session request is not a valid gridcomm.v1.SessionRequest.")
                 for op in request.ops:
                     self._start(op)
+                if len(self._results) > self._max_results:
+                    raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"this Session stream has {len(self._results)} answers its client has not read; it is "
+                                "closed (a client must read the answers to what it sends).")
             # The client is done sending: answer what is in flight (each op's wait is bounded).
             if self._tasks:
                 await asyncio.wait(set(self._tasks))

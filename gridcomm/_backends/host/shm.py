@@ -7,12 +7,19 @@ each has its own host name and its own ``/dev/shm``), and a probe: the other ran
 segment by name and finds the random cookie written into it. Addresses are never compared (pods
 behind NAT, hostNetwork pods and network namespaces make IP guesswork wrong both ways).
 
-A segment is created with ``O_EXCL`` and mode 0600 under a random name, its pages are reserved
+A segment is created with ``O_EXCL`` and mode 0600 under a random name (and a peer's is opened
+only when it is this user's, with that mode), its pages are reserved
 at once (``posix_fallocate``: a full ``/dev/shm`` is an error at creation, not a SIGBUS at the
 first write), and its name is unlinked as soon as the peer has mapped it, so a segment outlives
 neither of its two processes, whatever kills them. Names still linked (a process stopped between
 creation and the peer's mapping) are unlinked by :func:`unlink_all`, which the data plane calls
 on stop, abort and failure, and at interpreter exit.
+
+The trust boundary is the user id: a process of the same user that opens a name in its window
+(between creation and the peer's mapping) could change what flows through it or truncate it, but
+such a process can already ptrace a rank or write its memory through /proc/PID/mem, so no check
+inside the segment would raise the bar. Ranks that must not trust each other's user run as
+different users (or in different pods) or with ``GRIDCOMM_SHM=0``.
 """
 
 from __future__ import annotations
@@ -176,8 +183,13 @@ class Segment:
         except OSError as exc:
             raise ShmUnavailable(exc.errno, f"cannot open {path}: {exc.strerror}") from exc
         try:
-            if os.fstat(fd).st_size != size:
-                raise ShmUnavailable(0, f"{path} has {os.fstat(fd).st_size} bytes, not the announced {size}")
+            info = os.fstat(fd)
+            if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+                # Why: the peer made it 0600 as this user; anything else was put there by someone else.
+                raise ShmUnavailable(0, f"{path} is owned by uid {info.st_uid} with mode {info.st_mode & 0o777:o}, not "
+                                        f"by this user (uid {os.geteuid()}) with mode 600")
+            if info.st_size != size:
+                raise ShmUnavailable(0, f"{path} has {info.st_size} bytes, not the announced {size}")
             mapping = mmap.mmap(fd, size)
         except OSError as exc:
             if isinstance(exc, ShmUnavailable):

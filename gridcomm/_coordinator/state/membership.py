@@ -165,6 +165,24 @@ class JobState(Liveness, Barriers, KeyValue):
             waiting = recovery.replacements[rank]
         return waiting if waiting is not None and waiting.incarnation == incarnation else None
 
+    def join_abandoned(self, rank: int, incarnation: int, now: float) -> bool:
+        """The join of a process not yet in a generation ended without an answer (its call was
+        cancelled: the process died, or its connection did). It is no longer counted, so the
+        generation does not form with a member that is gone; a process that comes back joins
+        again. True when it was dropped (a process with another call still waiting is kept)."""
+        if not self.complete:
+            member = self.members.get(rank)
+            if member is None or member.incarnation != incarnation or member.active_calls:
+                return False
+            self.leave(rank, now)  # before the rendezvous a leave removes the member
+            return True
+        recovery = self.recovery
+        waiting = recovery.replacements.get(rank) if recovery is not None else None
+        if waiting is None or waiting.incarnation != incarnation or waiting.active_calls:
+            return False
+        del recovery.replacements[rank]  # type: ignore[union-attr]
+        return True
+
     def refuses_waiting_replacements(self) -> bool:
         """Whether the forming generation leaves out replacements that wait (survivors chose
         shrink()): they must be woken to hear that they are not admitted."""
