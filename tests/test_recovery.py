@@ -525,3 +525,48 @@ def test_a_death_during_the_rebuild_is_seen_by_its_dropped_connection_within_the
     # Measured 2.0 s; generous for a loaded 2-core machine, far below the ~15 s of the silence bound.
     assert seen_after < 8.0, f"seen {seen_after:.2f} s after the death: {failure.reason}\n{everything}"
     print(f"\nrank 3 killed during the rebuild: marked failed {seen_after:.2f} s after its death ({failure.reason})")
+
+
+RANK0_DIES_IN_REBUILD = r"""
+import json, os, signal, time
+import numpy as np
+import gridcomm
+
+rank = int(os.environ["GRIDCOMM_RANK"])
+comm = gridcomm.init_process_group(4, rank, backend="host", timeout_s=60)
+x = np.ones(4)
+if rank == 2:
+    os.kill(os.getpid(), signal.SIGKILL)
+try:
+    while True:
+        comm.all_reduce(x, x, op="sum")
+except gridcomm.RankFailedError:
+    pass
+if rank == 0:
+    time.sleep(1.0)  # the others wait in rebuild() for rank 2's replacement, which never comes
+    print("DYING", json.dumps({"at": time.time()}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+try:
+    comm.rebuild(timeout_s=60)
+    print("REBUILT", json.dumps({}), flush=True)
+except gridcomm.GridcommError as exc:
+    print("GAVE_UP", json.dumps({"kind": type(exc).__name__, "rank": getattr(exc, "rank", None), "at": time.time(),
+                                 "message": str(exc)[:300]}), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_rank_0_dying_during_the_rebuild_is_coordinator_lost_naming_it() -> None:
+    # The embedded coordinator (rank 0 hosts it): its death while the survivors wait in rebuild()
+    # is rank 0's failure, CoordinatorLost (rank 0), within about the connection grace; not a
+    # CoordinatorUnavailable that names nobody (what the old code raised).
+    env = {"GRIDCOMM_HOST": "127.0.0.1", "GRIDCOMM_PORT": str(free_port()), "GRIDCOMM_BACKEND": "host"}
+    results = RankProcesses(RANK0_DIES_IN_REBUILD, WORLD, env=env).wait(90)
+    everything = report(results)
+    (dying,) = lines(results[0].stdout, "DYING")
+    for rank in (1, 3):
+        (gave_up,) = lines(results[rank].stdout, "GAVE_UP")
+        assert gave_up["kind"] == "CoordinatorLost" and gave_up["rank"] == 0, everything
+        assert gave_up["at"] - dying["at"] < 10.0, everything  # measured ~1.5 s; the grace is 2 s
+    print(f"\nrank 0 killed in rebuild(): CoordinatorLost on ranks 1 and 3 after "
+          f"{max(lines(results[r].stdout, 'GAVE_UP')[0]['at'] for r in (1, 3)) - dying['at']:.2f} s")

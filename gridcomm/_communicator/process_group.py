@@ -14,7 +14,7 @@ from gridcomm._client.client import CoordinatorClient
 from gridcomm._communicator.communicator import Communicator, build_backend
 from gridcomm._config.settings import CoordinatorSettings, Settings
 from gridcomm._coordinator.server import Coordinator
-from gridcomm._errors import GridcommError
+from gridcomm._errors import CoordinatorUnavailable, GridcommError, coordinator_lost
 from gridcomm._runtime import health as _health
 from gridcomm._runtime.address import local_address
 from gridcomm._runtime.health import ProcessHealth
@@ -179,7 +179,11 @@ class Job:
         assert client is not None
         started = time.monotonic()
         budget = self.timeout_s if timeout_s is None else _config.parse_duration("timeout_s", timeout_s)
-        client.recover(mode, budget)
+        try:
+            client.recover(mode, budget)
+        except CoordinatorUnavailable as exc:
+            # The coordinator rank 0 hosts went while the survivors waited: rank 0 failed.
+            raise coordinator_lost(exc, client.coordinator_rank) from exc
         # Why what is left: the caller's bound covers the whole recovery, NCCL's creation included.
         comm = self._communicator(max(1.0, budget - (time.monotonic() - started)))
         log.warning("rank %d: %s() done in %.3f s: generation %d, %d ranks (job ranks %s)", self.rank, mode,
