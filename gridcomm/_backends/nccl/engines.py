@@ -15,8 +15,11 @@ from gridcomm._errors import ConfigError, GridcommError, RendezvousTimeout
 log = logging.getLogger(__name__)
 
 
-#: NCCL init is polled every _POLL_FIRST_S at first, backing off to _POLL_MAX_S.
-_POLL_FIRST_S, _POLL_MAX_S = 0.0005, 0.01
+#: NCCL init is polled every _POLL_FIRST_S at first, backing off to _POLL_MAX_S. Why so often: the
+#: init and its split take ~20 ms each at world size 1, and at a 10 ms cap the polls' late wakeups
+#: added ~25 ms to init_process_group (benchmarks/nccl_init_probe.py on an H200: 72.7 ms at 10 ms,
+#: 45.5 ms at 0.5 ms); a poll is one ncclCommGetAsyncError, ~1,000 a second at most.
+_POLL_FIRST_S, _POLL_MAX_S = 0.0002, 0.001
 
 
 #: ncclInProgress.
