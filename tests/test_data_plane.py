@@ -18,6 +18,7 @@ import conftest_netns
 import netns
 import pytest
 
+from gridcomm._backends.host.frames import HANDSHAKE_S
 from tests.support.procs import ROOT, WORKER, free_port, shm_names
 from tests.support.tls import tls_env
 
@@ -551,7 +552,10 @@ def test_a_certificate_of_another_ca_is_refused_at_once_not_retried(ranks: Calla
     print(line)
     match = re.match(r"^ROGUE AuthenticationError after=([\d.]+) .*TLS failed", line)
     assert match, line
-    assert float(match.group(1)) < 1.0, line
+    # Not retried: a refusal taken for a reset is dialled again until the dial's deadline (at least
+    # HANDSHAKE_S, 10 s) and then ends in RendezvousTimeout. The refusal came after 3-5 ms here,
+    # and after 2.2 s in CI beside a CPU hog; the bound is half the retry window.
+    assert float(match.group(1)) < HANDSHAKE_S / 2, line
     for rank in (0, 1):
         job.expect(rank, r"^OK$", 60)
         assert job.procs[rank].wait(30) == 0, job.report()
