@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import gzip
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -350,3 +352,71 @@ def test_metrics_linger_setting_is_checked():
     for bad in ("-1", "soon", "601"):
         with pytest.raises(gridcomm.ConfigError, match="GRIDCOMM_METRICS_LINGER_S"):
             _config.CoordinatorSettings.resolve(2, environ={"GRIDCOMM_METRICS_LINGER_S": bad})
+
+
+# ---------------------------------------------------------------------- a real Prometheus (issue 26, item 1)
+PROMETHEUS = shutil.which("prometheus")
+
+
+def prometheus_api(port: int, path: str) -> dict:
+    import json
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as answer:
+        body = json.loads(answer.read().decode())
+    assert body["status"] == "success", body
+    return body["data"]  # type: ignore[no-any-return]
+
+
+def instant(port: int, query: str) -> float | None:
+    """The value of an instant query with one series in its answer (None when it has none)."""
+    result = prometheus_api(port, "/api/v1/query?query=" + urllib.parse.quote(query))["result"]
+    return float(result[0]["value"][1]) if result else None
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus (Debian's package) is not installed")
+@pytest.mark.timeout(150)
+def test_a_real_prometheus_scraping_rank_zero_fires_the_failure_alert_after_a_kill(tmp_path):
+    """What the issue found with Prometheus 2.42 scraping every 2 s: after rank 1 was killed,
+    ``max_over_time(gridcomm_ranks{state="failed"}[2m])`` stayed 0 and the shipped "a rank failed"
+    alert never fired, because rank 0's metrics went dark first. Here Debian's prometheus server
+    scrapes rank 0 every second with deploy/monitoring's rules loaded: both must see the failure."""
+    linger = 8.0
+    port, metrics_port, prom_port = free_port(), free_port(), free_port()
+    (tmp_path / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        f"rule_files:\n  - {ROOT}/deploy/monitoring/gridcomm-rules.yaml\n"
+        f"scrape_configs:\n  - job_name: gridcomm\n    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']\n")
+    prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))  # noqa: SIM115
+    env = {"GRIDCOMM_PORT": str(port), "GRIDCOMM_HOST": "127.0.0.1", "GRIDCOMM_BIND": "127.0.0.1",
+           "GRIDCOMM_METRICS_PORT": str(metrics_port), "GRIDCOMM_METRICS_LINGER_S": f"{linger:g}",
+           "GRIDCOMM_TIMEOUT_S": "60"}
+    ranks = [Rank(r, LOOP, {**env, "GRIDCOMM_RANK": str(r)}) for r in range(3)]
+    try:
+        for r in ranks:
+            r.expect("UP", 60)
+        # Scraped while healthy first (the counter's 0 is what increase() starts from).
+        deadline = time.monotonic() + 60
+        while instant(prom_port, 'up{job="gridcomm"}') != 1.0 or instant(prom_port, "gridcomm_rank_failures_total") != 0:
+            assert time.monotonic() < deadline, (tmp_path / "prometheus.log").read_text()[-2000:]
+            time.sleep(0.5)
+        killed = time.monotonic()
+        ranks[1].proc.kill()
+        failed_max = firing = None
+        while time.monotonic() - killed < linger + 20 and not (failed_max and firing):
+            failed_max = instant(prom_port, 'max_over_time(gridcomm_ranks{state="failed"}[2m])')
+            alerts = prometheus_api(prom_port, "/api/v1/alerts")["alerts"]
+            firing = firing or [a for a in alerts if a["labels"]["alertname"] == "GridcommRankFailed"
+                                and a["state"] == "firing"]
+            time.sleep(0.5)
+        seen_after = time.monotonic() - killed
+        print(f"\nPrometheus (1 s scrapes): gridcomm_ranks{{state=\"failed\"}} max {failed_max}, GridcommRankFailed "
+              f"{'firing' if firing else 'not firing'}, {seen_after:.1f} s after the kill")
+        assert failed_max == 1.0, (failed_max, ranks[0].report())
+        assert firing, (prometheus_api(prom_port, "/api/v1/alerts"), ranks[0].report())
+        assert instant(prom_port, "max_over_time(gridcomm_rank_failures_total[2m])") == 1.0
+    finally:
+        kill_all(ranks)
+        prom.kill()
+        prom.wait(10)
