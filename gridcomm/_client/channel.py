@@ -33,7 +33,12 @@ _SERVICE_CONFIG = json.dumps(
 )
 
 
-def channel_options() -> list[tuple[str, Any]]:
+def channel_options(retries: bool = True) -> list[tuple[str, Any]]:
+    """The channel's options; ``retries=False`` leaves out the unary retry policy (a call then
+    says at once whether the coordinator's port refused it)."""
+    if not retries:
+        return [o for o in channel_options() if o[0] not in ("grpc.enable_retries", "grpc.service_config")] + [
+            ("grpc.enable_retries", 0)]
     return [
         # Why: simulated ranks in one process must not share one connection (~2,000 parked calls
         # over one channel failed here).
@@ -65,8 +70,8 @@ def channel_credentials(tls: _config.TlsFiles) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=key, certificate_chain=cert)
 
 
-def secure_options(tls: _config.TlsFiles | None) -> list[tuple[str, Any]]:
-    options = channel_options()
+def secure_options(tls: _config.TlsFiles | None, retries: bool = True) -> list[tuple[str, Any]]:
+    options = channel_options(retries)
     if tls is not None and tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
     return options
@@ -79,8 +84,8 @@ def make_channel(target: str, tls: _config.TlsFiles | None) -> grpc.Channel:
     return grpc.secure_channel(target, channel_credentials(tls), options=secure_options(tls))
 
 
-def make_aio_channel(target: str, tls: _config.TlsFiles | None) -> grpc.aio.Channel:
+def make_aio_channel(target: str, tls: _config.TlsFiles | None, retries: bool = True) -> grpc.aio.Channel:
     """An asyncio channel (on the background loop) with the same options and credentials."""
     if tls is None:
-        return grpc.aio.insecure_channel(target, options=channel_options())
-    return grpc.aio.secure_channel(target, channel_credentials(tls), options=secure_options(tls))
+        return grpc.aio.insecure_channel(target, options=channel_options(retries))
+    return grpc.aio.secure_channel(target, channel_credentials(tls), options=secure_options(tls, retries))

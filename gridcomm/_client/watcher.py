@@ -31,7 +31,7 @@ from typing import Protocol
 import grpc
 
 from gridcomm import _config
-from gridcomm._client.channel import channel_credentials, secure_options
+from gridcomm._client.channel import make_aio_channel
 from gridcomm._client.session import Session, StreamBroken
 from gridcomm._errors import (
     CollectiveMismatch,
@@ -80,12 +80,7 @@ class _Redial:
 
     def __init__(self, client: Watched) -> None:
         self._client = client
-        options = [o for o in secure_options(client.tls) if o[0] not in ("grpc.enable_retries", "grpc.service_config")]
-        options.append(("grpc.enable_retries", 0))
-        if client.tls is None:
-            self._channel = grpc.aio.insecure_channel(client.target, options=options)
-        else:
-            self._channel = grpc.aio.secure_channel(client.target, channel_credentials(client.tls), options=options)
+        self._channel = make_aio_channel(client.target, client.tls, retries=False)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
     async def attempt(self, timeout_s: float) -> pb.HeartbeatResponse:

@@ -247,27 +247,34 @@ class Barriers(StateBase):
         # Why the head is trimmed here: a name used again and again (a training step's barrier)
         # passes once per instance, and its earlier entries, stale, would otherwise stay queued
         # until the budget is pressed. Amortised O(1), as in _drop_passed.
-        queue = self._passed
-        while queue and (head := self.barriers.get(queue[0])) is not None and (head.queued > 1 or head.arrived is not None):
-            queue.popleft()
-            head.queued -= 1
-        queue.append(barrier.name)
+        self._trim_stale_head()
+        self._passed.append(barrier.name)
         barrier.queued += 1
         if self._passed_bytes > self._budget() // 4:
             self._drop_passed(now, 0)
+
+    def _trim_stale_head(self) -> _Barrier | None:
+        """Removes stale entries from the head of the passed queue (their barrier passed again
+        later, is pending, or is gone); returns the barrier the head now names, if any."""
+        queue = self._passed
+        while queue:
+            barrier = self.barriers.get(queue[0])
+            if barrier is not None and barrier.queued <= 1 and barrier.arrived is None:
+                return barrier
+            queue.popleft()
+            if barrier is not None:
+                barrier.queued -= 1
+        return None
 
     def _drop_passed(self, now: float, need: int) -> None:
         """Drops the oldest passed barriers passed at least barrier_retain_s ago, while passed
         ones hold more than a quarter of the budget or ``need`` more bytes do not fit. Amortised
         O(1): every entry of the queue is removed once."""
         queue, budget, retain = self._passed, self._budget(), self.limits.barrier_retain_s
-        while queue and (self._passed_bytes > budget // 4 or (need and self._state_bytes() + need > budget)):
-            barrier = self.barriers.get(queue[0])
-            if barrier is None or barrier.queued > 1 or barrier.arrived is not None:
-                queue.popleft()  # a stale entry: the barrier passed again later, or is pending
-                if barrier is not None:
-                    barrier.queued -= 1
-                continue
+        while self._passed_bytes > budget // 4 or (need and self._state_bytes() + need > budget):
+            barrier = self._trim_stale_head()
+            if barrier is None:
+                break
             if now - barrier.passed_at < retain or barrier.passed_at >= now:
                 break  # the rest passed later still
             queue.popleft()
