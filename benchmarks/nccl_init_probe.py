@@ -1,12 +1,23 @@
-"""Where NCCL init time goes at world size 1 (on the GPU machine): raw ncclCommInitRank (CuPy), the
-nccl4py engine's bounded create (a non-blocking init, then its split to a blocking child),
-``init_process_group`` and ``split()``, at three poll intervals of the bounded create.
+"""Where NCCL init time goes at world size 1 (on the GPU machine), raw against gridcomm:
 
-    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/nccl_init_probe.py
+- ``raw``: CuPy's blocking ncclCommInitRank (what cupyx does), and the same plus a first 4 B
+  all_reduce, synchronised;
+- ``create``: the nccl4py engine's bounded create alone (non-blocking init; its split to the
+  blocking child is then finished in the background), and create + the first all_reduce;
+- ``init_process_group`` (rendezvous on a coordinator in this process, unique ID through it, the
+  create), alone and + the first all_reduce; then the same with ``--work-ms`` of host work before
+  the first all_reduce (a program builds its model between init and its first collective),
+  against raw with the same work;
+- ``split()`` of that communicator, alone and + a first all_reduce on the child.
+
+Medians of --reps with min..max, after a warm-up.
+
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/nccl_init_probe.py [--reps 7] [--work-ms 100]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import statistics
@@ -14,9 +25,11 @@ import time
 
 os.environ.setdefault("GRIDCOMM_BIND", "127.0.0.1")
 
+import cupy  # noqa: E402
 from cupy.cuda import nccl  # noqa: E402
 
 import gridcomm  # noqa: E402 - after the bind address is set
+from gridcomm._backends import nccl as _nccl  # noqa: E402
 from gridcomm._backends.nccl import engines  # noqa: E402
 
 
@@ -30,32 +43,72 @@ def spread(samples: list[float]) -> str:
     return f"{statistics.median(samples) * 1e3:.1f} [{min(samples) * 1e3:.1f}..{max(samples) * 1e3:.1f}] ms"
 
 
-def timed(samples: list[float], make):  # type: ignore[no-untyped-def]
-    started = time.perf_counter()
-    made = make()
-    samples.append(time.perf_counter() - started)
-    return made
+def busy(seconds: float) -> None:
+    """Host work (the GIL held, as model building holds it)."""
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--work-ms", type=float, default=100.0)
+    args = parser.parse_args()
+    work = args.work_ms / 1e3
+    x = cupy.ones(1, dtype=cupy.float32)
+    sync = cupy.cuda.get_current_stream().synchronize
+
+    def first_call(comm) -> None:  # type: ignore[no-untyped-def]
+        comm.allReduce(x.data.ptr, x.data.ptr, 1, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                        cupy.cuda.get_current_stream().ptr)
+        sync()
+
     gridcomm.init_process_group(1, 0, backend="nccl", host="127.0.0.1", port=free_port()).stop()  # warm up
-    engine = engines._engine_for("nccl4py")
-    for poll_max in (0.01, 0.002, 0.0005):
-        engines._POLL_MAX_S = poll_max
-        raw: list[float] = []
-        create: list[float] = []
-        init: list[float] = []
-        split: list[float] = []
-        for _ in range(5):
-            timed(raw, lambda: nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)).destroy()
-            uid = engines.new_unique_id("nccl4py")
-            timed(create, lambda uid=uid: engine.create(1, 0, [uid], time.monotonic() + 30, lambda: None, "probe")).destroy()
-            comm = timed(init, lambda: gridcomm.init_process_group(1, 0, backend="nccl", host="127.0.0.1",
-                                                                   port=free_port()))
-            timed(split, lambda comm=comm: comm.split(0))
-            comm.stop()
-        print(f"poll max {poll_max * 1e3:g} ms: raw {spread(raw)}, engine create {spread(create)}, "
-              f"init_process_group {spread(init)}, split {spread(split)}", flush=True)
+    rows: dict[str, list[float]] = {}
+
+    def note(name: str, started: float) -> None:
+        rows.setdefault(name, []).append(time.perf_counter() - started)
+
+    for _ in range(args.reps):
+        t = time.perf_counter()
+        raw = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+        note("raw", t)
+        first_call(raw)
+        note("raw + first all_reduce", t)
+        raw.destroy()
+        t = time.perf_counter()
+        raw = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+        busy(work)
+        first_call(raw)
+        note(f"raw + {args.work_ms:g} ms work + first all_reduce", t)
+        raw.destroy()
+
+        def made_then_first(name: str, make):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            made = make()
+            note(name, t)
+            made.all_reduce(x, x)
+            sync()
+            note(name + " + first all_reduce", t)
+            return made
+
+        uid = engines.new_unique_id("nccl4py")
+        made_then_first("engine create", lambda uid=uid: _nccl.NcclBackend(1, 0, uid, engine_name="nccl4py")).destroy()
+        comm = made_then_first("init_process_group", lambda: gridcomm.init_process_group(
+            1, 0, backend="nccl", host="127.0.0.1", port=free_port()))
+        made_then_first("split()", lambda comm=comm: comm.split(0))
+        comm.stop()
+
+        t = time.perf_counter()
+        comm = gridcomm.init_process_group(1, 0, backend="nccl", host="127.0.0.1", port=free_port())
+        busy(work)
+        comm.all_reduce(x, x)
+        sync()
+        note(f"init_process_group + {args.work_ms:g} ms work + first all_reduce", t)
+        comm.stop()
+    for name, samples in rows.items():
+        print(f"{name}: {spread(samples)}", flush=True)
 
 
 if __name__ == "__main__":

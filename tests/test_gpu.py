@@ -396,6 +396,86 @@ def test_nccl_init_is_aborted_as_soon_as_a_peer_is_reported_failed(coordinator_f
         client.leave()
 
 
+def _first_calls():
+    """(name, call, check) for every kind of call, each made as a communicator's first."""
+    x = cupy.arange(1, 9, dtype=cupy.float32)
+    out = cupy.zeros_like(x)
+    rows = cupy.arange(1, 9, dtype=cupy.float32).reshape(1, 8)
+    row_out = cupy.zeros_like(rows)
+    return [
+        ("all_reduce", lambda b: b.all_reduce(x, out), lambda: out),
+        ("reduce", lambda b: b.reduce(x, out, 0), lambda: out),
+        ("broadcast", lambda b: (out.__setitem__(slice(None), x), b.broadcast(out, 0)), lambda: out),
+        ("reduce_scatter", lambda b: b.reduce_scatter(x, out, 8), lambda: out),
+        ("all_gather", lambda b: b.all_gather(x, out, 8), lambda: out),
+        ("send_recv", lambda b: b.send_recv(x, out, 0), lambda: out),
+        ("scatter", lambda b: b.scatter(rows, out, 0), lambda: out),
+        ("gather", lambda b: b.gather(x, row_out, 0), lambda: row_out.ravel()),
+        ("all_to_all", lambda b: b.all_to_all(rows, row_out), lambda: row_out.ravel()),
+    ], x, out, row_out
+
+
+@pytest.mark.timeout(120)
+def test_every_kind_of_call_works_as_the_first_call_while_the_split_finishes():
+    """nccl4py: init returns once the non-blocking parent is up, and the split to the blocking
+    child finishes in the background; whatever call comes first (a single collective, or a
+    group of sends and receives) waits for it and gives the right result, and afterwards the
+    per-call functions are NCCL's own again (no check left on the fast path)."""
+    _needs_nccl4py()
+    from gridcomm._backends import nccl as _nccl
+
+    calls, x, out, row_out = _first_calls()
+    pending = 0
+    for name, call, result in calls:
+        out.fill(0)
+        row_out.fill(0)
+        backend = _nccl.NcclBackend(1, 0, _nccl.new_unique_id())
+        pending += not backend._owner.ready_now
+        call(backend)
+        backend.synchronize()
+        assert bool((result() == x).all()), (name, result())
+        eng = backend._engine
+        assert backend._nccl_all_reduce is eng.all_reduce and backend._nccl_send is eng.send, name
+        assert backend._group_start is eng.group_start and backend._c is backend._owner._comm, name
+        backend.destroy()
+    print(f"{pending} of {len(calls)} first calls found the split still under way")
+    assert pending > 0, "no first call met an unfinished split: the deferred path was not exercised"
+
+
+@pytest.mark.timeout(120)
+def test_abort_or_destroy_before_the_first_call_ends_at_once_and_frees_the_gpu():
+    """A communicator aborted (a peer's failure, seen by the watcher) or destroyed before its
+    first call: abort returns within a second and a later call raises GridcommError instead of
+    waiting or touching freed memory; destroy waits for the split and frees both communicators;
+    a new communicator then works."""
+    _needs_nccl4py()
+    import gridcomm
+    from gridcomm._backends import nccl as _nccl
+
+    x = cupy.arange(8, dtype=cupy.float32)
+    y = cupy.zeros_like(x)
+    for _ in range(3):
+        backend = _nccl.NcclBackend(1, 0, _nccl.new_unique_id())
+        t0 = time.monotonic()
+        backend.abort()
+        took = time.monotonic() - t0
+        with pytest.raises(gridcomm.GridcommError, match="aborted"):
+            backend.all_reduce(x, y)
+        with pytest.raises(gridcomm.GridcommError, match="aborted"):
+            backend.send_recv(x, y, 0)
+        backend.destroy()
+        assert took < 5.0, took
+        backend = _nccl.NcclBackend(1, 0, _nccl.new_unique_id())
+        t0 = time.monotonic()
+        backend.destroy()
+        print(f"abort before the first call {took:.3f} s; destroy {time.monotonic() - t0:.3f} s")
+    solo = _nccl.NcclBackend(1, 0, _nccl.new_unique_id())
+    solo.all_reduce(x, y)
+    solo.synchronize()
+    assert bool((y == x).all())
+    solo.destroy()
+
+
 # ---------------------------------------------------------------------- recovery in place (2 GPUs)
 RECOVERY = """
 import os, sys, time, cupy, gridcomm

@@ -11,7 +11,9 @@ Two engines drive NCCL, chosen when a communicator is built (``GRIDCOMM_NCCL_ENG
   through several unique IDs (``ncclCommInitRankScalable``), one per NCCL root partition.
   Collectives run on a blocking child made by a non-blocking ``ncclCommSplit`` of that
   communicator (so every call is enqueued when it returns, as with CuPy, and no call can come back
-  ``ncclInProgress``); the non-blocking parent is destroyed once the child is up.
+  ``ncclInProgress``). The split is finished in the background, bounded like the init: the backend
+  is returned once the parent is up (every rank has reached NCCL), and the first collective waits
+  for the child; the non-blocking parent is destroyed once the child is up.
 - ``cupy`` (``cupy.cuda.nccl``): ``ncclCommInitRank`` blocks until every rank arrives; CuPy has no
   non-blocking init, so a peer that dies inside it leaves the others blocked there until NCCL's
   own bootstrap timeout, if any (the deadline and ``failed()`` are checked only before init).
@@ -150,12 +152,55 @@ class NcclBackend:
             deadline = time.monotonic() + _config.DEFAULT_TIMEOUT_S
         #: What owns the communicator (abort/destroy), and the handle the per-call functions take.
         self._owner: Any = eng.create(world_size, rank, ids, deadline, failed, label)
-        self._c: Any = eng.handle(self._owner)
+        if getattr(self._owner, "ready_now", True):
+            self._c: Any = eng.handle(self._owner)
+        else:
+            self._defer_to_first_call()
         #: GPU completion, sampled by the watcher (see gpu_progress): the device, the pending
         #: sample (event, count, when recorded) and the count known complete.
         self._device_id = cupy.cuda.Device().id
         self._sample: tuple[Any, int, float] | None = None
         self._completed = 0
+
+    # ------------------------------------------------------------------ a split still under way
+    _PER_CALL = ("_nccl_all_reduce", "_nccl_reduce", "_nccl_broadcast", "_nccl_reduce_scatter", "_nccl_all_gather",
+                 "_nccl_send", "_nccl_recv")
+
+    def _defer_to_first_call(self) -> None:
+        """nccl4py: the blocking child the calls run on is still being split off (see
+        engines._Split). Until it is up, each per-call function and group_start is a stand-in
+        that waits for it, puts the real functions back and makes the call with the child's
+        handle (every function takes the communicator second to last). After that the fast
+        paths are exactly what they were: not one check per call is added."""
+        self._c = self._engine.null
+        real = {name: getattr(self, name) for name in self._PER_CALL}
+        group_start = self._group_start
+
+        def deferred(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def first(*args: Any) -> Any:
+                return fn(*args[:-2], self._first_call(real, group_start), args[-1])
+            return first
+
+        def first_group_start() -> None:
+            self._first_call(real, group_start)
+            group_start()
+
+        for name, fn in real.items():
+            setattr(self, name, deferred(fn))
+        self._group_start = first_group_start
+
+    def _first_call(self, real: dict[str, Callable[..., Any]], group_start: Callable[[], None]) -> Any:
+        owner = self._owner
+        if owner is None:
+            raise GridcommError(f"rank {self.rank}: this NCCL communicator was aborted or destroyed.")
+        handle = owner.ready()  # waits (bounded) for the split; raises what ended it
+        self._c = handle
+        if self._owner is None:  # aborted meanwhile: abort() swapped in the null handle after this read
+            self._c = self._engine.null
+            raise GridcommError(f"rank {self.rank}: this NCCL communicator was aborted or destroyed.")
+        self.__dict__.update(real)
+        self._group_start = group_start
+        return handle
 
     # ------------------------------------------------------------------ helpers
     def _stream(self, stream: Any) -> int:
@@ -320,8 +365,8 @@ class NcclBackend:
         if not fast:
             in_type, in_count, out_type, out_count, peer = self._send_recv_args(in_array, out_array, peer)
         s = self._current_stream().ptr if stream is None else stream.ptr
-        c = self._c
         self._group_start()
+        c = self._c  # after group_start: a first call's group_start may have just set it
         try:
             self._nccl_send(in_array.data.ptr, in_count, in_type, peer, c, s)
             self._nccl_recv(out_array.data.ptr, out_count, out_type, peer, c, s)
@@ -343,8 +388,8 @@ class NcclBackend:
         s = counter.stream = self._current_stream().ptr if stream is None else stream.ptr
         root = _validate.scatter(in_array, out_array, root, self.rank, self.world_size)
         out_type, out_count = self._typed(out_array, "scatter", "out_array")
-        send, recv, c = self._nccl_send, self._nccl_recv, self._c
         self._group_start()
+        send, recv, c = self._nccl_send, self._nccl_recv, self._c  # after group_start (see send_recv)
         try:
             if self.rank == root:
                 for dst in range(self.world_size):
@@ -361,8 +406,8 @@ class NcclBackend:
         s = counter.stream = self._current_stream().ptr if stream is None else stream.ptr
         root = _validate.gather(in_array, out_array, root, self.rank, self.world_size)
         in_type, in_count = self._typed(in_array, "gather", "in_array")
-        send, recv, c = self._nccl_send, self._nccl_recv, self._c
         self._group_start()
+        send, recv, c = self._nccl_send, self._nccl_recv, self._c  # after group_start (see send_recv)
         try:
             if self.rank == root:
                 for src in range(self.world_size):
@@ -380,8 +425,8 @@ class NcclBackend:
         _validate.all_to_all(in_array, out_array, self.world_size)
         nccl_type, mult = self._dtypes[in_array.dtype]
         count = in_array.size // self.world_size * mult
-        send, recv, c = self._nccl_send, self._nccl_recv, self._c
         self._group_start()
+        send, recv, c = self._nccl_send, self._nccl_recv, self._c  # after group_start (see send_recv)
         try:
             for peer in range(self.world_size):
                 send(in_array[peer].data.ptr, count, nccl_type, peer, c, s)

@@ -175,23 +175,19 @@ class _Nccl4pyEngine:
         try:
             parent.initialize(size, rank, uids if len(uids) > 1 else uids[0], core.NCCLConfig(blocking=False))
             self._wait(parent, deadline, failed, what, others, total)
-            # A non-blocking parent makes the split non-blocking too; the child it makes is blocking.
+            # A non-blocking parent makes the split non-blocking too (NCCL works on it in a thread
+            # of its own); the child it makes is blocking.
             child = parent.split(0, rank, core.NCCLConfig(blocking=True))
-            self._wait(parent, deadline, failed, what + " (ncclCommSplit to its blocking child)", others, total)
-            # NCCL writes the child's handle when the split completes.
-            self._wait(child, deadline, failed, what + " (its blocking child)", others, total)
         except BaseException as exc:
             self._abort_all(parent, child)
             if isinstance(exc, self.bindings.NCCLError) or isinstance(exc, core.NcclInvalid):
                 raise GridcommError(f"{what} failed: {exc}") from exc
             raise
-        # The parent is never used again. Measured at world size 1 (H200, NCCL 2.28.9): its
-        # ncclCommDestroy takes ~0.5 s, ncclCommAbort ~1.0 s, and the child's own destroy at
-        # stop() then ~0.03 s (CuPy's one communicator: ~0.5 s at stop()). It has run no
-        # operation, so its finalize has nothing to wait for; it is destroyed on a thread of its
-        # own, off init's path (the child does not share its resources: NCCL's splitShare is 0),
-        # and the child's destroy or abort waits for that (bounded) before it goes too.
-        return _Child(child, parent)
+        # Every rank is in NCCL now (the parent's bootstrap needed them all), and the split runs
+        # in NCCL's background. What init_process_group returns does not wait for it: the first
+        # collective does (see _Split), so work the program does between init and its first
+        # collective (building a model, loading data) hides the split's ~20-40 ms.
+        return _Split(self, parent, child, deadline, failed, what, others, total)
 
     def _abort_all(self, parent: Any, child: Any) -> None:
         # The parent first: aborting it also ends a split in progress (NCCL's childAbortFlag),
@@ -204,13 +200,14 @@ class _Nccl4pyEngine:
                     log.warning("ncclCommAbort after a failed init: %s", exc)
 
     def _wait(self, comm: Any, deadline: float, failed: Callable[[], BaseException | None], what: str,
-              others: list[int], total: float) -> None:
+              others: list[int], total: float, lock: Any = None) -> None:
         """Polls ``comm`` until NCCL says success; raises on an NCCL error, as soon as ``failed()``
-        returns an error (that error), and at the deadline (the caller aborts)."""
+        returns an error (that error), and at the deadline (the caller aborts). With ``lock``,
+        each poll holds it (another thread may abort the communicator meanwhile)."""
         delay = _POLL_FIRST_S
         left = deadline - time.monotonic()
         while left > 0:
-            if self._done(comm, what):
+            if self._done(comm, what, lock):
                 return
             error = failed()
             if error is not None:
@@ -218,7 +215,7 @@ class _Nccl4pyEngine:
             time.sleep(min(delay, left))
             delay = min(delay * 2, _POLL_MAX_S)
             left = deadline - time.monotonic()
-        if self._done(comm, what):  # completed during the last sleep
+        if self._done(comm, what, lock):  # completed during the last sleep
             return
         listed = f" (the other ranks: {others})" if len(others) <= 16 else ""
         raise RendezvousTimeout(
@@ -226,8 +223,11 @@ class _Nccl4pyEngine:
             f"which ranks it still waited for{listed}; every rank must call init with the same unique ID(s) - is "
             "each rank's process running, on its own GPU?")
 
-    def _done(self, comm: Any, what: str) -> bool:
+    def _done(self, comm: Any, what: str, lock: Any = None) -> bool:
         """True once ``comm`` is up; False while NCCL works on it (or has not written its handle yet)."""
+        if lock is not None:
+            with lock:
+                return self._done(comm, what)
         if not comm.is_valid:
             return False
         state = int(comm.get_async_error())
@@ -245,38 +245,110 @@ class _Nccl4pyEngine:
         return owner._comm  # nccl.bindings.nccl.Comm: what the low-level calls take
 
 
-class _Child:
-    """The blocking child a nccl4py init returns, while its parent is destroyed in the background."""
+class _Split:
+    """What a nccl4py init returns: a non-blocking parent, up, whose split to the blocking child
+    the collectives run on is finished by a thread of its own (``gridcomm-nccl-split``): it polls
+    the split against the init's deadline and ``failed()``, then destroys the parent.
 
-    #: How long the child's destroy waits for the parent's (it took ~0.5 s where measured).
+    :meth:`ready` (the backend's first call) waits for that and returns the child's handle, or
+    raises what ended the split (the split's parent and child are aborted then). Why a thread
+    and not the caller: NCCL's split proceeds on its own, but the parent's ncclCommDestroy takes
+    ~0.5 s (H200, NCCL 2.28.9), which nobody should wait for; it has run no operation, so it has
+    nothing to flush, and the child does not share its resources (NCCL's splitShare is 0).
+
+    Every touch of the parent or child while the split is unfinished holds ``_lock``: an abort
+    (the watcher's thread, on a peer's failure) frees them, and a poll must never read freed
+    memory."""
+
+    #: How long the child's destroy waits for the parent's release (it took ~0.5 s where measured).
     PARENT_WAIT_S = 10.0
 
-    def __init__(self, child: Any, parent: Any) -> None:
-        self._child = child
-        self._comm = child._comm  # what the per-call functions take (see handle())
-        self._parent = threading.Thread(target=self._release, args=(parent,), name="gridcomm-nccl-parent",
-                                        daemon=True)
-        self._parent.start()
+    def __init__(self, engine: _Nccl4pyEngine, parent: Any, child: Any, deadline: float,
+                 failed: Callable[[], BaseException | None], what: str, others: list[int], total: float) -> None:
+        self._engine, self._parent, self._child = engine, parent, child
+        self._deadline, self._what = deadline, what
+        self._lock = threading.Lock()
+        self._settled = threading.Event()  # the split completed, or failed (then _error says why)
+        self._error: BaseException | None = None
+        self._aborted = False
+        self._comm: Any = None  # the child's handle once it is up
 
-    @staticmethod
-    def _release(parent: Any) -> None:
+        def ended() -> BaseException | None:
+            return self._error if self._aborted else failed()
+
+        self._thread = threading.Thread(target=self._finish, args=(ended, others, total),
+                                        name="gridcomm-nccl-split", daemon=True)
+        self._thread.start()
+
+    def _finish(self, ended: Callable[[], BaseException | None], others: list[int], total: float) -> None:
+        eng, what = self._engine, self._what
+        try:
+            eng._wait(self._parent, self._deadline, ended, what + " (ncclCommSplit to its blocking child)", others,
+                      total, self._lock)
+            # NCCL writes the child's handle when the split completes.
+            eng._wait(self._child, self._deadline, ended, what + " (its blocking child)", others, total, self._lock)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits in ready()
+            with self._lock:
+                if not self._aborted:
+                    self._aborted = True
+                    self._error = exc
+                    eng._abort_all(self._parent, self._child)
+            self._settled.set()
+            return
+        with self._lock:
+            if self._aborted:  # abort() came between the last poll and here: it freed both
+                self._settled.set()
+                return
+            self._comm = self._child._comm
+            parent, self._parent = self._parent, None
+        self._settled.set()
         try:
             parent.destroy()
         except Exception as exc:  # noqa: BLE001 - nothing depends on it; say so and go on
             log.warning("ncclCommDestroy of an init's parent communicator failed: %s", exc)
 
-    def _parent_gone(self) -> None:
-        self._parent.join(self.PARENT_WAIT_S)
-        if self._parent.is_alive():
-            log.warning("the NCCL parent communicator is still being destroyed after %g s", self.PARENT_WAIT_S)
+    @property
+    def ready_now(self) -> bool:
+        """True once the child is up (no wait left for the first call)."""
+        return self._comm is not None
+
+    def ready(self) -> Any:
+        """The child's per-call handle, once the split is complete (waits for it, bounded by the
+        init's deadline); raises what ended the split, or the abort that came first."""
+        left = self._deadline - time.monotonic()
+        # The thread ends at the deadline at the latest; the margin covers its abort.
+        if not self._settled.wait(max(left, 0.0) + 30.0):
+            raise GridcommError(f"{self._what}: the split to its blocking child did not settle within "
+                                f"{max(left, 0.0) + 30.0:.1f} s of the first collective")
+        if self._error is not None:
+            raise self._error
+        if self._comm is None:
+            raise GridcommError(f"{self._what}: aborted before its split to the blocking child completed")
+        return self._comm
 
     def abort(self) -> None:
-        # Why no wait for the parent: abort runs on the watcher's thread (the process's
-        # background loop), which must go on heartbeating.
+        with self._lock:
+            if self._comm is None:  # unfinished: the parent's abort ends the split, then the child
+                if not self._aborted:
+                    self._aborted = True
+                    self._error = GridcommError(
+                        f"{self._what}: aborted before its split to the blocking child completed")
+                    self._engine._abort_all(self._parent, self._child)
+                self._settled.set()
+                return
+        # Why no wait for the parent's release: abort runs on the watcher's thread (the
+        # process's background loop), which must go on heartbeating.
         self._child.abort()
 
     def destroy(self) -> None:
-        self._parent_gone()
+        try:
+            self.ready()
+        except BaseException as exc:  # noqa: BLE001 - nothing left to destroy: both were aborted
+            log.debug("%s: destroy after a split that did not complete: %s", self._what, exc)
+            return
+        self._thread.join(self.PARENT_WAIT_S)
+        if self._thread.is_alive():
+            log.warning("the NCCL parent communicator is still being destroyed after %g s", self.PARENT_WAIT_S)
         self._child.destroy()
 
     def __getattr__(self, name: str) -> Any:
