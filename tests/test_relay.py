@@ -7,6 +7,7 @@ its own where the test kills it). The ranks are bare clients configured by the e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -139,29 +141,58 @@ time.sleep(600)
 def test_when_the_relay_dies_its_ranks_go_on_with_the_coordinator(coordinator_factory):
     world = 3
     server = coordinator_factory(world, token=TOKEN)
-    relay = subprocess.Popen([sys.executable, "-c", RELAY_PROCESS, server.address, TOKEN], stdout=subprocess.PIPE,
-                             text=True, env=dict(os.environ, PYTHONPATH=ROOT))
-    ranks = None
-    try:
-        target = relay.stdout.readline().strip()
-        assert target, "the relay process did not start"
-        ranks = RankProcesses(RANK, world, env=env_for(server, target, BARRIERS="60", PAUSE_S="0.1"))
+    with relay_process(server) as (relay, target), \
+            RankProcesses(RANK, world, env=env_for(server, target, BARRIERS="60", PAUSE_S="0.1")) as ranks:
         wait_for(lambda: server.state.complete, "the rendezvous", 60)
         time.sleep(1.0)
         relay.kill()
         results = ranks.wait(90)
-        assert_all_ok(results)
-        for r in results.values():
-            out = last_json(r)
-            # Every rank finished all its barriers, now without the relay; nobody was failed.
-            assert out == {"ok": True, "relay": None}, out
-        assert not server.state.failures, [f.reason for f in server.state.failures]
+    assert_all_ok(results)
+    for r in results.values():
+        out = last_json(r)
+        # Every rank finished all its barriers, now without the relay; nobody was failed.
+        assert out == {"ok": True, "relay": None}, out
+    assert not server.state.failures, [f.reason for f in server.state.failures]
+
+
+@contextlib.contextmanager
+def relay_process(server) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A relay in a process of its own (the test kills or stops it); yields it and its address."""
+    relay = subprocess.Popen([sys.executable, "-c", RELAY_PROCESS, server.address, TOKEN], stdout=subprocess.PIPE,
+                             text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        target = relay.stdout.readline().strip()
+        assert target, "the relay process did not start"
+        yield relay, target
     finally:
-        if ranks is not None:
-            ranks.close()
         if relay.poll() is None:
             relay.kill()
         relay.wait(10)
+
+
+RANK_WATCHED = RANK.replace('"relay": c.relay_target}', '"relay": c.relay_target, "watcher": str(c.failure or "")}')
+
+
+@pytest.mark.timeout(120)
+def test_when_the_relay_hangs_its_ranks_go_on_with_the_coordinator(coordinator_factory):
+    """A relay that stops answering (SIGSTOP: hung, or starved) is left within the wait plus
+    max(2 s, bound / 4), and its ranks heartbeat the coordinator directly from then on: nobody
+    is failed, and no rank's watcher takes the coordinator for gone (the relay's death, which
+    drops its connections, is the test above)."""
+    world, bound = 3, 6.0
+    server = coordinator_factory(world, token=TOKEN, heartbeat_timeout_s=bound)
+    # Each rank runs barriers for over twice the liveness bound after the hang (150 x 0.1 s).
+    with relay_process(server) as (relay, target), \
+            RankProcesses(RANK_WATCHED, world, env=env_for(server, target, BARRIERS="150", PAUSE_S="0.1")) as ranks:
+        wait_for(lambda: server.state.complete, "the rendezvous", 60)
+        time.sleep(2.0)
+        relay.send_signal(signal.SIGSTOP)
+        results = ranks.wait(90)
+    assert_all_ok(results)
+    for r in results.values():
+        out = last_json(r)
+        assert out == {"ok": True, "relay": None, "watcher": ""}, out
+    assert not server.state.failures, [f.reason for f in server.state.failures]
 
 
 TREE_WORKER = """

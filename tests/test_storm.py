@@ -10,11 +10,13 @@ rank was failed ~15 s after the rendezvous.)
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
 from gridcomm import _config
+from gridcomm._coordinator import session as server_session
 from tests.support.procs import RankProcesses, assert_all_ok
 
 PROCS = 8
@@ -86,3 +88,48 @@ def test_a_saturated_coordinator_fails_no_live_rank(coordinator_factory, relay):
     print(f"\n{world} ranks (relay {relay}), {next(iter(passed.values()))[0]} barriers in ~{HOLD_S:.0f} s; coordinator lag "
           f"{lag.total_s:.1f} s in all, worst {lag.worst_s:.2f} s" if lag else "")
     assert server.wait_all_left(30)
+
+
+LATE_READ = """
+import json, os, time, gridcomm
+c = gridcomm.CoordinatorClient("127.0.0.1", int(os.environ["PORT"]), int(os.environ["GRIDCOMM_RANK"]), 2, timeout_s=60)
+c.join()
+end = time.monotonic() + float(os.environ["RUN_S"])
+n = 0
+while time.monotonic() < end:
+    c.barrier("b")
+    n += 1
+    time.sleep(0.05)
+print(json.dumps({"barriers": n, "watcher": None if c.failure is None else str(c.failure)}), flush=True)
+c.leave()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_heartbeat_retried_late_in_the_bound_is_one_the_coordinator_can_answer(coordinator_factory, monkeypatch):
+    """A watcher whose heartbeat went unanswered (the coordinator read it late; or its relay hung
+    and it turned to the coordinator) tries again with what is left of the bound. That attempt
+    asked the coordinator to hold it for the whole interval with less time than that left to its
+    own deadline, so a coordinator back in time could still not answer it: the watcher took the
+    coordinator for gone, stopped heartbeating, and the coordinator then failed the live rank
+    (8,192 ranks with a relay per process: ranks whose relay missed a heartbeat went that way).
+    Here rank 1's first heartbeat is read 0.9 x the bound late."""
+    bound = 6.0
+    server = coordinator_factory(2, heartbeat_timeout_s=bound)
+    original = server_session.OPERATIONS["heartbeat"]
+    late: set[int] = set()
+
+    async def read_late(servicer, request, deadline):
+        if request.caller.rank == 1 and not late:
+            late.add(1)
+            await asyncio.sleep(0.9 * bound)
+        return await original(servicer, request, deadline)
+
+    monkeypatch.setitem(server_session.OPERATIONS, "heartbeat", read_late)
+    results = RankProcesses(LATE_READ, 2, env={"PORT": str(server.port), "RUN_S": str(3 * bound)}).wait(70)
+    assert_all_ok(results)
+    assert late, "rank 1's heartbeat did not ride its Session stream"
+    for r in results.values():
+        data = json.loads(r.stdout.strip().splitlines()[-1])
+        assert data["watcher"] is None and data["barriers"] > 0, data
+    assert not server.state.failures, [f.reason for f in server.state.failures]

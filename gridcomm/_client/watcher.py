@@ -61,6 +61,22 @@ CONNECTION_GRACE_S = 2.0
 REDIAL_PAUSE_S = 0.1
 
 
+#: Time kept between the end of the hold a heartbeat asks for and its deadline, for the answer's
+#: trip (the interval, if shorter).
+HOLD_MARGIN_S = 1.0
+
+
+def hold_for(interval: float, call_s: float) -> float:
+    """How long a heartbeat with ``call_s`` to its deadline may ask the coordinator (or relay) to
+    hold it: the interval, or, with less time than that left (an attempt went unanswered and the
+    bound is running out), nothing: it is answered at once. Why: a Session operation has no
+    deadline at the server, which holds it for the whole wait it asks for; asking for more than
+    the deadline allows makes the attempt fail against a coordinator that is back in time (at
+    8,192 ranks, leaders and ranks leaving a starved relay took the coordinator for gone that
+    way, stopped heartbeating, and were then failed as silent)."""
+    return interval if call_s >= interval + min(HOLD_MARGIN_S, interval) else 0.0
+
+
 class _Dropped(Exception):
     """The Session stream to a coordinator hosted in a rank's process broke under a heartbeat."""
 
@@ -235,7 +251,6 @@ class Watcher:
                     log.info("rank %d: the coordinator at %s answered again after its connection dropped",
                              client.rank, client.target)
                 else:
-                    request = pb.HeartbeatRequest(caller=client.caller, wait_s=interval, progress=client.progress())
                     # Why a deadline well past the server's answer (at ``interval``): a call the
                     # client gives up on is cancelled on the server, which reads a dropped heartbeat
                     # as a dead process after its short grace. An overloaded but live rank (256
@@ -245,6 +260,8 @@ class Watcher:
                     # opened again waits for the coordinator (wait_for_ready); a coordinator that is
                     # gone must still be noticed within the bound, not a call's deadline after it.
                     call_s = min(call_s, max(0.2, timeout_s - self._silent(last_ok, lag_ok) + 0.1))
+                    request = pb.HeartbeatRequest(caller=client.caller, wait_s=hold_for(interval, call_s),
+                                                  progress=client.progress())
                     started = time.monotonic()
                     try:
                         reply = await self._beat(stub, request, call_s)
