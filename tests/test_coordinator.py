@@ -411,3 +411,52 @@ def test_status_carries_refused_joins_within_the_metadata_limit_whatever_their_h
     trailer = dict(call.trailing_metadata())["gridcomm-refused-joins"]
     assert 0 < len(trailer) <= 8192 - 1024, len(trailer)
     assert "ALREADY_EXISTS" in trailer, trailer[:300]
+
+
+LEAVE_ONE = """
+import os, sys, time, gridcomm
+c = gridcomm.CoordinatorClient("127.0.0.1", int(os.environ["PORT"]), int(os.environ["GRIDCOMM_RANK"]), 3, timeout_s=30)
+c.join()
+print("JOINED", flush=True)
+if c.rank == 2:
+    end = time.monotonic() + 30
+    while not os.path.exists(os.environ["GO"]) and time.monotonic() < end:
+        time.sleep(0.05)
+else:
+    time.sleep(20)
+c.leave()
+print("LEFT", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_leave_does_not_wake_the_held_heartbeats(coordinator_factory, tmp_path):
+    """A leave wakes the waits it can concern (barriers, joins), not every rank's held heartbeat:
+    at the end of a job every rank leaves at once, and each leave re-arming every held heartbeat
+    cost the coordinator O(ranks x waiters) (8,192 ranks: thousands of leaves outlasted their
+    bound, and those ranks were then failed as silent)."""
+    import asyncio
+
+    server = coordinator_factory(3, heartbeat_timeout_s=60.0)  # heartbeats held 20 s each
+    servicer = server._servicer
+    held_key = ("failure",)
+
+    def on_loop(fn):
+        async def run():
+            return fn()
+        return asyncio.run_coroutine_threadsafe(run(), servicer._loop).result(10)
+
+    go = tmp_path / "go"
+    ranks = RankProcesses(LEAVE_ONE, 3, env={"PORT": str(server.port), "GO": str(go)})
+    try:
+        held = wait_for(lambda: (f := on_loop(lambda: list(servicer._waiters.get(held_key, ())))) and len(f) == 3 and f,
+                        "three held heartbeats", 30)
+        go.write_text("go")
+        wait_for(lambda: server.state.members[2].state.name == "LEFT", "rank 2's leave", 20)
+        # Ranks 0 and 1 still wait in the heartbeats they held before (a woken one is answered
+        # or re-armed with a new future; rank 2's own ended with its stream).
+        still = on_loop(lambda: [f for f in held if not f.done() and f in servicer._waiters.get(held_key, ())])
+        assert len(still) >= 2, (len(still), held)
+        assert not server.state.failures
+    finally:
+        ranks.close()

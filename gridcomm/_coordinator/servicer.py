@@ -650,9 +650,19 @@ class Servicer:
         self.metrics.ops["leave"] += 1
         self._state.depart(caller.job_id, caller.rank, caller.incarnation, caller.generation, self._now())
         # Why: barriers waiting on this rank can never complete; let them fail now.
-        self.wake_all()
+        self._wake_departure(caller.rank)
         self._note_departures()
         return pb.LeaveResponse()
+
+    def _wake_departure(self, rank: int) -> None:
+        """After ``rank`` left: the waits a departure can concern re-check their condition (barriers,
+        joins and recoveries, a new process waiting on that rank's old one); held heartbeats and
+        gets do not, since a leave changes nothing they wait for. Why not wake_all: at the end of a
+        job every rank leaves at once, and each leave re-armed every held heartbeat, O(ranks x
+        waiters): at 8,192 ranks the leaves then outlasted their 10 s bound, and a rank whose leave
+        had not landed when its relay stopped reporting it was failed as silent."""
+        for key in [k for k in self._waiters if k[0] in ("barrier", "join") or k == ("beat", rank)]:
+            self._wake(key)
 
     async def status(self, request: pb.StatusRequest, deadline: float | None) -> pb.StatusResponse:
         state = self._state
