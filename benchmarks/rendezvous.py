@@ -6,7 +6,8 @@ from other work on the machine lands on all of them alike; the tables give media
 
 One run of one peer at one N:
 - the server runs in a process of its own, so its RSS and CPU time are read from /proc;
-- ranks: one OS process per rank up to 128 ranks, above that 32 processes with N/32 threads each;
+- ranks: one OS process per rank up to 128 ranks, above that 32 processes with N/32 threads each
+  up to 4,096 ranks, and above that N/128 processes of 128 threads (--threads-per-process-max);
   every rank has a client of its own (its own connection);
 - connect: from a common start until every client is constructed and connected (gridcomm's join,
   JAX's connect, torch's constructor; cupyx has no connect step);
@@ -57,6 +58,11 @@ BLOB_KEY = "bench/blob"
 #: Up to this many ranks each rank is an OS process; above it, PROCESSES processes of threads.
 PROCESS_PER_RANK_MAX = 128
 PROCESSES = 32
+#: At most this many rank threads per process: 32 processes up to 4,096 ranks (the shape of every
+#: earlier table), then more processes (8,192: 64 x 128; 16,384: 128 x 128). Why: a deployment has
+#: one rank per process; 256 rank threads sharing one process's background loop on 2 cores starved
+#: it (its relay and its ranks' heartbeats), which measured the harness, not the coordinator.
+THREADS_PER_PROCESS_MAX = 128
 #: The gates between phases, in order; each is opened by the driver once every rank arrived.
 PHASES = ("go", "t1", "t2", "done")
 SECTION_BEGIN = "<!-- rendezvous:begin (written by benchmarks/rendezvous.py) -->"
@@ -93,6 +99,10 @@ class Peer:
     def start_process(self, port: int, world: int, timeout_s: float) -> None:
         """Once per rank process, before its ranks connect (a node agent's part, if the peer has one)."""
 
+    def report(self, handle: Any) -> dict[str, Any]:
+        """In the server's process at the end of a run: what the server knows of it."""
+        return {}
+
 
 class GridcommPeer(Peer):
     """gridcomm as it runs in an Indexed Job or a JobSet of this many pods: from 256 ranks the relay
@@ -113,6 +123,13 @@ class GridcommPeer(Peer):
         self.load()
         server = gridcomm.Coordinator(world, bind="127.0.0.1", port=0).start()
         return server, server.port
+
+    def report(self, handle: Any) -> dict[str, Any]:
+        # Every rank failed in the run (none was killed: each is a false failure), with when.
+        failures = list(handle.state.failures)
+        wall = time.time() - time.monotonic()
+        return {"failed_ranks": len(failures),
+                "failures": [{"rank": f.rank, "at_unix_s": wall + f.at, "reason": f.reason[:300]} for f in failures[:5]]}
 
     def connect(self, port: int, rank: int, world: int, timeout_s: float) -> Any:
         # Why session="client": a rank stands for a pod, so it must not share its process's
@@ -322,15 +339,16 @@ def proc_stats(pid: int) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------- one run (driver)
-def rank_groups(world: int, process_per_rank_max: int = PROCESS_PER_RANK_MAX) -> list[list[int]]:
-    procs = world if world <= process_per_rank_max else PROCESSES
+def rank_groups(world: int, process_per_rank_max: int = PROCESS_PER_RANK_MAX,
+                threads_max: int = THREADS_PER_PROCESS_MAX) -> list[list[int]]:
+    procs = world if world <= process_per_rank_max else max(PROCESSES, math.ceil(world / threads_max))
     per = math.ceil(world / procs)
     return [list(range(i, min(i + per, world))) for i in range(0, world, per)]
 
 
 def worker_main(peer: Peer, wid: int, ranks: list[int], world: int, port: int, queue: Any,
                 gates: dict[str, tuple[int, int]], progress: Any, barriers: int, timeout_s: float,
-                barrier_timeout_s: float) -> None:
+                barrier_timeout_s: float, fetched: Any) -> None:
     """One rank process: a thread per rank, gates relayed from the driver to the threads."""
     for _, write_end in gates.values():
         os.close(write_end)  # only the driver may hold these: its close opens the gate
@@ -376,6 +394,7 @@ def worker_main(peer: Peer, wid: int, ranks: list[int], world: int, port: int, q
             blob = peer.fetch_blob(client, rank, world, timeout_s)
             if blob != BLOB:
                 raise ValueError(f"rank {rank} got a wrong blob ({len(blob)} bytes)")
+            fetched[rank] = 1
             arrive("t2", time.monotonic(), passed)
             passed = wait("t2")
             step = "barriers"
@@ -418,7 +437,8 @@ def start_server(peer_name: str, world: int, timeout_s: float, env: dict[str, st
 
 
 def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_timeout_s: float,
-          idle_s: float, process_per_rank_max: int = PROCESS_PER_RANK_MAX) -> dict[str, Any]:
+          idle_s: float, process_per_rank_max: int = PROCESS_PER_RANK_MAX,
+          threads_max: int = THREADS_PER_PROCESS_MAX) -> dict[str, Any]:
     """Runs one peer at one N; returns what was measured and a status."""
     result: dict[str, Any] = {"peer": peer_name, "world": world, "barriers": barriers, "status": "ok"}
     server, port = start_server(peer_name, world, timeout_s, dict(os.environ))
@@ -435,11 +455,12 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
         # at once (EOF), where a multiprocessing.Event would wake its waiters one by one.
         gates = {phase: os.pipe() for phase in PHASES}
         progress = ctx.Array("i", world, lock=False)  # barriers each rank has passed
-        groups = rank_groups(world, process_per_rank_max)
+        fetched = ctx.Array("b", world, lock=False)  # whether each rank holds the blob
+        groups = rank_groups(world, process_per_rank_max, threads_max)
         result["processes"], result["threads_per_process"] = len(groups), len(groups[0])
         for wid, ranks in enumerate(groups):
             p = ctx.Process(target=worker_main, daemon=True, args=(
-                peer, wid, ranks, world, port, queue, gates, progress, barriers, timeout_s, barrier_timeout_s))
+                peer, wid, ranks, world, port, queue, gates, progress, barriers, timeout_s, barrier_timeout_s, fetched))
             p.start()
             procs.append(p)
         for read_end, _ in gates.values():
@@ -478,6 +499,9 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
                         passed = list(progress)
                         result["status"] += (f" (each rank had passed {min(passed)} to {max(passed)} "
                                              f"of {barriers} barriers)")
+                        result["behind"] = [r for r, n in enumerate(passed) if n == min(passed)][:64]
+                    elif step == "rendezvous":
+                        result["behind"] = [r for r, got in enumerate(fetched) if not got][:64]
                     result["failed_step"] = step
                 break
             if phase == "done":
@@ -500,24 +524,52 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
             stats = proc_stats(server.pid)
             result.update(server_peak_mb=stats["hwm_mb"], server_cpu_s=stats["cpu_s"] - base["cpu_s"])
         else:
-            for p in procs:  # they close their clients and exit; the server still runs meanwhile
-                p.join(10)
+            result["measured_at_unix_s"] = time.time()
+            # They close their clients and exit; the server still runs meanwhile. Why the queue is
+            # read meanwhile: a process whose errors fill the pipe cannot exit until they are read.
+            closing = time.monotonic() + 10 + 2 * timeout_s
+            close_errors: list[tuple[str, int, str]] = []
+            while any(p.is_alive() for p in procs) and time.monotonic() < closing:
+                try:
+                    msg = queue.get(timeout=0.5)
+                except Exception:  # noqa: BLE001 - queue.Empty
+                    continue
+                if msg[0] == "error":
+                    close_errors.append(msg[1:])
+            result["close_errors"] = len(close_errors)
+            if close_errors:
+                result["close_error"] = close_errors[0][2]
     finally:
         for p in procs:
             if p.is_alive() and p.pid is not None:
                 os.kill(p.pid, signal.SIGKILL)
         for p in procs:
             p.join(5)
+        result.update(server_report(server))
         server.kill()
         server.wait(10)
     return result
 
 
+def server_report(server: subprocess.Popen) -> dict[str, Any]:
+    """What the server says of the run once its stdin closes (gridcomm: the ranks it failed)."""
+    try:
+        assert server.stdin is not None and server.stdout is not None
+        server.stdin.close()
+        ready, _, _ = select.select([server.stdout], [], [], 10.0)
+        line = server.stdout.readline() if ready else ""
+        return json.loads(line) if line.startswith("{") else {}
+    except (OSError, ValueError, AssertionError):
+        return {}
+
+
 def serve(peer_name: str, world: int, timeout_s: float) -> None:
     """The server process: starts the server, prints its port, serves until stdin closes."""
-    handle, port = PEERS[peer_name]().serve(world, timeout_s)
+    peer = PEERS[peer_name]()
+    handle, port = peer.serve(world, timeout_s)
     print(json.dumps({"port": port}), flush=True)
     sys.stdin.read()
+    print(json.dumps(peer.report(handle)), flush=True)
     del handle
     os._exit(0)
 
@@ -528,7 +580,8 @@ def run_one(args: argparse.Namespace, peer: str, world: int, barriers: int, env:
     limit = 4 * args.timeout_s + args.barrier_timeout_s + args.idle_s + 60
     cmd = [sys.executable, __file__, "--_run", peer, "--world", str(world), "--barriers", str(barriers),
            "--timeout-s", str(args.timeout_s), "--barrier-timeout-s", str(args.barrier_timeout_s),
-           "--idle-s", str(args.idle_s), "--process-per-rank-max", str(args.process_per_rank_max)]
+           "--idle-s", str(args.idle_s), "--process-per-rank-max", str(args.process_per_rank_max),
+           "--threads-per-process-max", str(args.threads_per_process_max)]
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
         try:
@@ -797,7 +850,7 @@ def section(report: dict[str, Any], png: str | None) -> str:
         "gridcomm's coordinator against `torch.distributed.TCPStore` (libuv server), JAX's coordination "
         "service (jaxlib's distributed runtime) and cupyx's store, one harness, peers interleaved per "
         "repetition. Ranks are OS processes up to 128 (`--process-per-rank-max`), above that 32 processes "
-        "of N/32 threads; every rank has its own client and its own connection, as a pod would (gridcomm: "
+        "of N/32 threads (above 4,096 ranks, N/128 processes of 128: `--threads-per-process-max`); every rank has its own client and its own connection, as a pod would (gridcomm: "
         "`session=\"client\"`, a Session stream per rank; see \"Deployment shapes\" in docs/design.md); each "
         "server runs in a process of its own. *connect*: from a "
         "common start until every client is connected (gridcomm's join and JAX's connect wait for all ranks; "
@@ -911,6 +964,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--process-per-rank-max", type=int, default=PROCESS_PER_RANK_MAX,
                     help="up to this many ranks every rank is an OS process of its own; above it, "
                          f"{PROCESSES} processes of threads (default %(default)s)")
+    ap.add_argument("--threads-per-process-max", type=int, default=THREADS_PER_PROCESS_MAX,
+                    help=f"above --process-per-rank-max: at least {PROCESSES} processes, and more where a process "
+                         "would hold more rank threads than this (default %(default)s)")
     ap.add_argument("--world", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.ranks = [int(x) for x in args.ranks.split(",") if x]
@@ -956,7 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args._run:
         print(json.dumps(drive(args._run, args.world, args.barriers, args.timeout_s, args.barrier_timeout_s,
-                               args.idle_s, args.process_per_rank_max)), flush=True)
+                               args.idle_s, args.process_per_rank_max, args.threads_per_process_max)), flush=True)
         return 0
     if args.pool:
         print(pooled([json.loads(Path(f).read_text()) for f in args.pool.split(",")]))
