@@ -58,6 +58,7 @@ def variants(raw: Any, backend: Any, comm: Any, x: Any, y: Any) -> dict[str, Cal
                       stream().ptr if stream_arg is None else stream_arg.ptr)
 
     by_op = backend._reduce_by_id
+    backend.ready()  # nccl4py: its split done, so the function and handle read here are NCCL's own
     ar, c = backend._nccl_all_reduce, backend._c
 
     def table(in_array: Any, out_array: Any, op: str = "sum", stream_arg: Any = None) -> None:

@@ -256,6 +256,7 @@ class Bench:
     def _raw_engine_call(backend: Any, op: str, x: Any, y: Any, peer: int, sends: bool) -> Callable[[], Any]:
         """``op`` written by hand on gridcomm's own communicator, through its engine's per-call
         function (nccl4py's nccl.bindings.nccl.*, or CuPy's method): the call path without gridcomm's."""
+        backend.ready()  # nccl4py: its split done, so the functions and handle read here are NCCL's own
         stream, c = cupy.cuda.get_current_stream, backend._c
         if op == "all_reduce":
             ar = backend._nccl_all_reduce

@@ -437,6 +437,7 @@ def test_every_kind_of_call_works_as_the_first_call_while_the_split_finishes():
         eng = backend._engine
         assert backend._nccl_all_reduce is eng.all_reduce and backend._nccl_send is eng.send, name
         assert backend._group_start is eng.group_start and backend._c is backend._owner._comm, name
+        assert backend.ready() is backend._c, name
         backend.destroy()
     print(f"{pending} of {len(calls)} first calls found the split still under way")
     assert pending > 0, "no first call met an unfinished split: the deferred path was not exercised"

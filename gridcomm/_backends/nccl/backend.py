@@ -171,25 +171,36 @@ class NcclBackend:
         engines._Split). Until it is up, each per-call function and group_start is a stand-in
         that waits for it, puts the real functions back and makes the call with the child's
         handle (every function takes the communicator second to last). After that the fast
-        paths are exactly what they were: not one check per call is added."""
+        paths are exactly what they were: not one check per call is added. Code that reads the
+        per-call functions or the handle itself (the benchmarks) calls :meth:`ready` first."""
         self._c = self._engine.null
         real = {name: getattr(self, name) for name in self._PER_CALL}
         group_start = self._group_start
+        self._pending: tuple[dict[str, Any], Callable[[], None]] | None = (real, group_start)
 
         def deferred(fn: Callable[..., Any]) -> Callable[..., Any]:
             def first(*args: Any) -> Any:
-                return fn(*args[:-2], self._first_call(real, group_start), args[-1])
+                return fn(*args[:-2], self.ready(), args[-1])
             return first
 
         def first_group_start() -> None:
-            self._first_call(real, group_start)
+            self.ready()
             group_start()
 
         for name, fn in real.items():
             setattr(self, name, deferred(fn))
         self._group_start = first_group_start
 
-    def _first_call(self, real: dict[str, Callable[..., Any]], group_start: Callable[[], None]) -> Any:
+    def ready(self) -> Any:
+        """Waits until this communicator's calls go straight to NCCL and returns the handle they
+        pass: with nccl4py, until the split to the blocking child is complete (bounded by the
+        init's deadline; raises what ended it); at once otherwise. A first collective does the
+        same by itself."""
+        pending = self.__dict__.get("_pending")
+        if pending is None:
+            if self._owner is None:
+                raise GridcommError(f"rank {self.rank}: this NCCL communicator was aborted or destroyed.")
+            return self._c
         owner = self._owner
         if owner is None:
             raise GridcommError(f"rank {self.rank}: this NCCL communicator was aborted or destroyed.")
@@ -198,8 +209,10 @@ class NcclBackend:
         if self._owner is None:  # aborted meanwhile: abort() swapped in the null handle after this read
             self._c = self._engine.null
             raise GridcommError(f"rank {self.rank}: this NCCL communicator was aborted or destroyed.")
+        real, group_start = pending
         self.__dict__.update(real)
         self._group_start = group_start
+        self._pending = None
         return handle
 
     # ------------------------------------------------------------------ helpers
