@@ -114,6 +114,16 @@ class GridcommPeer(Peer):
 
     def start_process(self, port: int, world: int, timeout_s: float) -> None:
         os.environ["GRIDCOMM_RELAY_ADDRESSES"] = "127.0.0.1:2{group:04d}"
+        self.start_loop()
+
+    @staticmethod
+    def start_loop() -> None:
+        """The process's background loop, before its rank threads start, as a deployed rank's
+        process starts it with nothing else running. Why: started by the first of 128 rank threads
+        while 16,384 others start on 2 cores, its thread did not run within 10 s."""
+        from gridcomm._runtime import loop
+
+        loop.loop()
 
     def load(self) -> None:
         global gridcomm
@@ -172,6 +182,7 @@ class GridcommDirectPeer(GridcommPeer):
 
     def start_process(self, port: int, world: int, timeout_s: float) -> None:
         os.environ["GRIDCOMM_RELAY"] = "off"
+        self.start_loop()
 
 
 class GridcommRelayPeer(GridcommPeer):
