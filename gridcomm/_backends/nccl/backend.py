@@ -152,6 +152,9 @@ class NcclBackend:
             deadline = time.monotonic() + _config.DEFAULT_TIMEOUT_S
         #: What owns the communicator (abort/destroy), and the handle the per-call functions take.
         self._owner: Any = eng.create(world_size, rank, ids, deadline, failed, label)
+        #: While calls wait for a split (see _defer_to_first_call): the real per-call functions
+        #: and group_start, to put back.
+        self._pending: tuple[dict[str, Any], Callable[[], None]] | None = None
         if getattr(self._owner, "ready_now", True):
             self._c: Any = eng.handle(self._owner)
         else:
@@ -176,7 +179,7 @@ class NcclBackend:
         self._c = self._engine.null
         real = {name: getattr(self, name) for name in self._PER_CALL}
         group_start = self._group_start
-        self._pending: tuple[dict[str, Any], Callable[[], None]] | None = (real, group_start)
+        self._pending = (real, group_start)
 
         def deferred(fn: Callable[..., Any]) -> Callable[..., Any]:
             def first(*args: Any) -> Any:
@@ -196,24 +199,25 @@ class NcclBackend:
         pass: with nccl4py, until the split to the blocking child is complete (bounded by the
         init's deadline; raises what ended it); at once otherwise. A first collective does the
         same by itself."""
-        pending = self.__dict__.get("_pending")
-        if pending is None:
-            if self._owner is None:
-                raise GridcommError(f"rank {self.rank}: this NCCL communicator was aborted or destroyed.")
-            return self._c
         owner = self._owner
         if owner is None:
-            raise GridcommError(f"rank {self.rank}: this NCCL communicator was aborted or destroyed.")
+            raise self._gone()
+        pending = self._pending
+        if pending is None:
+            return self._c
         handle = owner.ready()  # waits (bounded) for the split; raises what ended it
         self._c = handle
         if self._owner is None:  # aborted meanwhile: abort() swapped in the null handle after this read
             self._c = self._engine.null
-            raise GridcommError(f"rank {self.rank}: this NCCL communicator was aborted or destroyed.")
+            raise self._gone()
         real, group_start = pending
         self.__dict__.update(real)
         self._group_start = group_start
         self._pending = None
         return handle
+
+    def _gone(self) -> GridcommError:
+        return GridcommError(f"rank {self.rank}: this NCCL communicator was aborted or destroyed.")
 
     # ------------------------------------------------------------------ helpers
     def _stream(self, stream: Any) -> int:

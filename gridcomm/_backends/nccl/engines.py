@@ -289,10 +289,7 @@ class _Split:
             eng._wait(self._child, self._deadline, ended, what + " (its blocking child)", others, total, self._lock)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits in ready()
             with self._lock:
-                if not self._aborted:
-                    self._aborted = True
-                    self._error = exc
-                    eng._abort_all(self._parent, self._child)
+                self._give_up(exc)
             self._settled.set()
             return
         with self._lock:
@@ -307,6 +304,14 @@ class _Split:
         except Exception as exc:  # noqa: BLE001 - nothing depends on it; say so and go on
             log.warning("ncclCommDestroy of an init's parent communicator failed: %s", exc)
 
+    def _give_up(self, error: BaseException) -> None:
+        """With ``_lock`` held: the split ends in ``error`` (unless it already ended), aborting the
+        parent (which ends a split in progress) and the child."""
+        if not self._aborted:
+            self._aborted = True
+            self._error = error
+            self._engine._abort_all(self._parent, self._child)
+
     @property
     def ready_now(self) -> bool:
         """True once the child is up (no wait left for the first call)."""
@@ -320,20 +325,15 @@ class _Split:
         if not self._settled.wait(max(left, 0.0) + 30.0):
             raise GridcommError(f"{self._what}: the split to its blocking child did not settle within "
                                 f"{max(left, 0.0) + 30.0:.1f} s of the first collective")
-        if self._error is not None:
+        if self._error is not None:  # set by every path that settles without the child
             raise self._error
-        if self._comm is None:
-            raise GridcommError(f"{self._what}: aborted before its split to the blocking child completed")
         return self._comm
 
     def abort(self) -> None:
         with self._lock:
             if self._comm is None:  # unfinished: the parent's abort ends the split, then the child
-                if not self._aborted:
-                    self._aborted = True
-                    self._error = GridcommError(
-                        f"{self._what}: aborted before its split to the blocking child completed")
-                    self._engine._abort_all(self._parent, self._child)
+                self._give_up(GridcommError(f"{self._what}: aborted before its split to the blocking child "
+                                            "completed"))
                 self._settled.set()
                 return
         # Why no wait for the parent's release: abort runs on the watcher's thread (the
