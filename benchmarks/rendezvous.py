@@ -477,6 +477,7 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
         for read_end, _ in gates.values():
             os.close(read_end)
         opened: dict[str, float] = {}
+        phase_cpu: dict[str, float] = {}  # the server's CPU seconds when each phase opened
         latest: dict[str, float] = {}
         woke: dict[str, float] = {}
         counts = dict.fromkeys(PHASES, 0)
@@ -519,9 +520,15 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
                 end = proc_stats(server.pid)
                 time.sleep(idle_s)
                 idle = proc_stats(server.pid)
+                # Where the server's CPU went: the connect (joins), T1 (the blob), the barriers.
+                result["server_cpu_by_phase_s"] = {
+                    "connect": round(phase_cpu["t1"] - phase_cpu["go"], 3),
+                    "t1": round(phase_cpu["t2"] - phase_cpu["t1"], 3),
+                    "barriers": round(end["cpu_s"] - phase_cpu["t2"], 3)}
                 result.update(server_peak_mb=idle["hwm_mb"], server_cpu_s=end["cpu_s"] - base["cpu_s"],
                               idle_growth_mb=idle["rss_mb"] - end["rss_mb"], idle_s=idle_s)
             opened[phase] = time.monotonic()
+            phase_cpu[phase] = proc_stats(server.pid)["cpu_s"]
             os.close(gates[phase][1])
             if phase == "t1":
                 result["connect_s"] = latest["t1"] - opened["go"]

@@ -167,10 +167,26 @@ def test_settings_resolve_once_in_order_and_are_frozen():
     ({"GRIDCOMM_RANKS_PER_ROOT": "0"}, "GRIDCOMM_RANKS_PER_ROOT='0'"),
     ({"GRIDCOMM_TIMEOUT_S": "-1"}, "GRIDCOMM_TIMEOUT_S='-1'"),
     ({"GRIDCOMM_SESSION": "process"}, "GRIDCOMM_SESSION=process was removed"),
+    ({"GRIDCOMM_RELAY_FANIN": "1"}, "GRIDCOMM_RELAY_FANIN=1 is out of range"),
+    ({"GRIDCOMM_RELAY_FANIN": "wide"}, "GRIDCOMM_RELAY_FANIN='wide' must be `auto`"),
 ])
 def test_a_bad_variable_is_a_config_error_naming_it(env, words):
     with pytest.raises(ConfigError, match=re.escape(words)):
         _config.Settings.resolve(2, 0, environ={**env})
+
+
+@pytest.mark.parametrize(("world", "value", "fanin"), [
+    # auto: 32 while 32 x 32 covers the job, then the next power of two whose square does
+    (256, None, 32), (1024, None, 32), (1025, None, 64), (2048, "auto", 64), (4096, None, 64),
+    (8192, None, 128), (16384, None, 128), (100_000, "AUTO", 512),
+    # a number is taken as it is, at any size
+    (8192, "32", 32), (300, "8", 8),
+])
+def test_relay_fanin_auto_grows_with_the_square_root_of_the_world(world, value, fanin):
+    environ = {} if value is None else {"GRIDCOMM_RELAY_FANIN": value}
+    settings = _config.Settings.resolve(world, 0, environ=environ).client
+    assert settings.fanin(world) == fanin
+    assert fanin * fanin >= world or value is not None
 
 
 def test_settings_read_the_process_environment_at_call_time(monkeypatch):

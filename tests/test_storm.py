@@ -77,9 +77,9 @@ def test_a_saturated_coordinator_fails_no_live_rank(coordinator_factory, relay):
     assert not server.state.failures, [f.reason for f in server.state.failures[:3]]
     assert len(passed) == world and len({n for n, _ in passed.values()}) == 1, sorted(set(passed.values()))
     through_relay = sum(relayed for _, relayed in passed.values())
-    # auto: every rank but the 32 that host a relay (ranks 0, 32, ...) went through one, but for
+    # auto: every rank but those that host a relay (ranks 0, 32, ... at 1,024) went through one, but for
     # any whose relay, starved on this machine, missed a heartbeat and was left for the coordinator.
-    expected = 0 if relay == "off" else world - world // _config.DEFAULT_RELAY_FANIN
+    expected = 0 if relay == "off" else world - world // _config.auto_relay_fanin(world)
     assert expected * 0.9 <= through_relay <= expected, through_relay
     # The liveness machinery was live the whole time: every rank heartbeat, so a silent one
     # would have been failed.

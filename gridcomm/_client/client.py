@@ -266,13 +266,14 @@ class CoordinatorClient:
             return  # a node agent's relay (gridcomm launch), or none
         if settings.relay_mode == "auto" and self.world_size < _config.RELAY_AUTO_WORLD:
             return
-        leader = self.rank - self.rank % settings.relay_fanin
+        fanin = settings.fanin(self.world_size)
+        leader = self.rank - self.rank % fanin
         template = settings.relay_addresses
         if leader != self.rank:
             self._relay_rank = leader
             if template is not None and not self._joined:
                 # Its relay's address is known before the join: the join goes there too.
-                self._relay_join = _config.format_relay_address(template, leader, leader // settings.relay_fanin)
+                self._relay_join = _config.format_relay_address(template, leader, leader // fanin)
             return
         if leader + 1 >= self.world_size or self.relay is not None:
             return  # a group of one: nobody to relay for
@@ -282,7 +283,7 @@ class CoordinatorClient:
         port = 0
         if template is not None:
             port = _config.parse_target(_config.format_relay_address(template, leader,
-                                                                     leader // settings.relay_fanin))[1]
+                                                                     leader // fanin))[1]
         try:
             self.relay = Relay(self.target, token=settings.token, tls=self.tls, bind=local_address(self.host),
                                port=port).start()

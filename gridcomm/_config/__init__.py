@@ -26,6 +26,7 @@ from gridcomm._config.readers import (
     RELAY_MODES,
     SESSION_MODES,
     TlsFiles,
+    auto_relay_fanin,
     backend,
     bind_address,
     coordinator_address,
@@ -71,7 +72,7 @@ __all__ = [
     "ClientSettings", "CoordinatorSettings", "NcclSettings", "PlaneSettings", "Settings", "TlsFiles", "backend",
     "bind_address", "coordinator_address", "coordinator_mode", "data_host", "demo_iters", "format_target",
     "health_port", "heartbeat_timeout_s", "job_id", "launch_backend", "launch_port", "local_rank", "metrics_port", "nccl_engine",
-    "parse_duration", "parse_int", "parse_target", "process_environ", "rank", "ranks_per_root", "session_mode", "relay_address", "relay_addresses", "format_relay_address", "DEFAULT_RELAY_PORT", "relay_mode", "RELAY_MODES", "relay_fanin", "RELAY_AUTO_WORLD",
+    "parse_duration", "parse_int", "parse_target", "process_environ", "rank", "ranks_per_root", "session_mode", "relay_address", "relay_addresses", "format_relay_address", "DEFAULT_RELAY_PORT", "relay_mode", "RELAY_MODES", "relay_fanin", "auto_relay_fanin", "RELAY_AUTO_WORLD",
     "DEFAULT_RELAY_FANIN",
     "shared_memory", "stall_timeout_s", "debug_flags", "DEFAULT_STALL_TIMEOUT_S", "timeout_s", "tls", "token", "validate_host", "validate_token", "world_size",
 ]

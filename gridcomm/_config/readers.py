@@ -345,13 +345,33 @@ RELAY_MODES = ("auto", "on", "off")
 
 #: From this world size on, GRIDCOMM_RELAY=auto builds the relay tree.
 RELAY_AUTO_WORLD = 256
+#: The smallest fan-in GRIDCOMM_RELAY_FANIN=auto picks (up to 1,024 ranks it is this).
 DEFAULT_RELAY_FANIN = 32
 
 
-def relay_fanin(environ: Mapping[str, str] | None = None) -> int:
-    """GRIDCOMM_RELAY_FANIN: ranks per relay of the tree (the relay's own rank included)."""
+def relay_fanin(environ: Mapping[str, str] | None = None) -> int | None:
+    """GRIDCOMM_RELAY_FANIN: ranks per relay of the tree (the relay's own rank included); None
+    (unset or ``auto``): derived from the world size, see auto_relay_fanin."""
     found = _first(_env(environ), ("GRIDCOMM_RELAY_FANIN",))
-    return DEFAULT_RELAY_FANIN if found is None else _parse_int(found[0], found[1], minimum=2, maximum=4096)
+    if found is None or found[1].strip().lower() == "auto":
+        return None
+    if not found[1].strip().isdigit():
+        raise ConfigError(f"{found[0]}={found[1]!r} must be `auto` or a whole number of ranks per relay, "
+                          "at least 2.")
+    return _parse_int(found[0], found[1].strip(), minimum=2, maximum=4096)
+
+
+def auto_relay_fanin(world_size: int) -> int:
+    """The fan-in of GRIDCOMM_RELAY_FANIN=auto: the smallest power of two at or above the square
+    root of the world size, at least DEFAULT_RELAY_FANIN (32 up to 1,024 ranks, 64 up to 4,096,
+    128 up to 16,384, 512 at 100,000). Why the square root: a barrier waits for the slowest
+    relay's K child messages and then the coordinator's N / K relay messages, each about the same
+    cost, so K x c + N / K x c is least at K = sqrt(N). Every rank derives the same value from
+    the world size, so they agree on their groups without asking anyone."""
+    fanin = DEFAULT_RELAY_FANIN
+    while fanin * fanin < world_size:
+        fanin *= 2
+    return fanin
 
 
 def relay_mode(environ: Mapping[str, str] | None = None) -> str:

@@ -65,7 +65,9 @@ VARIABLES: tuple[Variable, ...] = (
              "the relay tree: rank `k x FANIN` hosts a relay for its group; the others' streams go to it after the "
              "join, and it carries their barriers, gets and heartbeats to the coordinator as aggregates; `on` also "
              "makes `gridcomm launch` host one for the ranks it starts"),
-    Variable("GRIDCOMM_RELAY_FANIN", "int >= 2", "32", "ranks per relay of the tree (its own rank included)"),
+    Variable("GRIDCOMM_RELAY_FANIN", "`auto`, int >= 2", "`auto` (32 up to 1,024 ranks, then the power of two "
+             "at or above the square root of the world size)",
+             "ranks per relay of the tree (its own rank included)"),
     Variable("GRIDCOMM_RELAY_ADDRESS", "host:port", "none (the coordinator)",
              "the relay a rank's Session stream dials (set by `gridcomm launch`); its unary calls, and everything "
              "once the relay is gone, go to the coordinator"),

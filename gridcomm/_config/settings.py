@@ -39,7 +39,8 @@ class ClientSettings:
     relay: str | None = None
     #: The relay tree: GRIDCOMM_RELAY and GRIDCOMM_RELAY_FANIN.
     relay_mode: str = "auto"
-    relay_fanin: int = readers.DEFAULT_RELAY_FANIN
+    #: None: GRIDCOMM_RELAY_FANIN=auto (from the world size; see fanin).
+    relay_fanin: int | None = None
     #: GRIDCOMM_RELAY_ADDRESSES (or what a Kubernetes detector derived): the tree's relay
     #: addresses as a template, so a rank can join through its group's relay; None: joins go to
     #: the coordinator.
@@ -64,6 +65,10 @@ class ClientSettings:
     @property
     def target(self) -> str:
         return readers.format_target(self.host, self.port)
+
+    def fanin(self, world_size: int) -> int:
+        """Ranks per relay of the tree at this world size (a recovery's world may be smaller)."""
+        return self.relay_fanin if self.relay_fanin is not None else readers.auto_relay_fanin(world_size)
 
 
 @dataclasses.dataclass(frozen=True)
