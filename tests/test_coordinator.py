@@ -460,3 +460,76 @@ def test_a_leave_does_not_wake_the_held_heartbeats(coordinator_factory, tmp_path
         assert not server.state.failures
     finally:
         ranks.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_aggregate_naming_a_caller_the_coordinator_would_refuse_is_refused_whole(coordinator_factory):
+    """A relay's aggregate (a barrier or get whose ``also`` names more ranks) is checked rank by
+    rank as each rank's own call would be: a stranger, a rank of another process, another job,
+    another generation, a rank that left, or more ranks than the job has are refused with a
+    readable status, no arrival of the refused aggregate completes a barrier, and the
+    coordinator goes on serving a good aggregate and the ranks' own calls."""
+    import concurrent.futures
+
+    from gridcomm._proto import coordinator_pb2 as pb
+    from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+
+    world = 4
+    server = coordinator_factory(world)
+    clients = [_client(server, r, world, timeout_s=20.0) for r in range(world)]
+    with concurrent.futures.ThreadPoolExecutor(world) as pool:
+        list(pool.map(lambda c: c.join(), clients))
+    callers = [c.caller for c in clients]
+
+    def with_(caller: pb.Caller, **change) -> pb.Caller:
+        other = pb.Caller()
+        other.CopyFrom(caller)
+        for field, value in change.items():
+            setattr(other, field, value)
+        return other
+
+    bad = {
+        "a rank out of range": (with_(callers[1], rank=world + 3), grpc.StatusCode.INVALID_ARGUMENT, "rank"),
+        "another process": (with_(callers[2], incarnation=callers[2].incarnation + 1),
+                            grpc.StatusCode.FAILED_PRECONDITION, "as process"),
+        "another job": (with_(callers[1], job_id="someone-else"), None, "someone-else"),
+        "another generation": (with_(callers[3], generation=callers[3].generation + 5),
+                               grpc.StatusCode.FAILED_PRECONDITION, "rejoin first"),
+    }
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        for what, (odd, code, words) in bad.items():
+            for call, request in (
+                    (stub.Barrier, pb.BarrierRequest(caller=callers[0], name="agg", seq=1, wait_s=0.2,
+                                                     also=[callers[1], odd, callers[3]])),
+                    (stub.Get, pb.GetRequest(caller=callers[0], key="nothing", wait_s=0.2, also=[odd]))):
+                with pytest.raises(grpc.RpcError) as caught:
+                    call(request, timeout=10)
+                assert code is None or caught.value.code() == code, (what, caught.value.code(), caught.value.details())
+                assert caught.value.code() != grpc.StatusCode.UNKNOWN and words in caught.value.details(), \
+                    (what, caught.value.details())
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Barrier(pb.BarrierRequest(caller=callers[0], name="agg", seq=1, wait_s=0.2,
+                                           also=[callers[1]] * (world + 1)), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "more than the job's" in \
+            caught.value.details(), caught.value.details()
+        # Nothing above completed instance 1: a good aggregate for ranks 0-2 still waits for 3.
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Barrier(pb.BarrierRequest(caller=callers[0], name="agg", seq=1, wait_s=0.3,
+                                           also=[callers[1], callers[2]]), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "[3]" in caught.value.details(), \
+            caught.value.details()
+        # Rank 3 arrives on its own and completes it; ranks 0-2 see it complete.
+        assert stub.Barrier(pb.BarrierRequest(caller=callers[3], name="agg", seq=1, wait_s=5.0), timeout=10).seq == 1
+        assert stub.Barrier(pb.BarrierRequest(caller=callers[0], name="agg", seq=1, wait_s=5.0,
+                                              also=[callers[1], callers[2]]), timeout=10).seq == 1
+        clients[3].leave()
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Get(pb.GetRequest(caller=callers[0], key="k", wait_s=0.2, also=[callers[3]]), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "after it left" in \
+            caught.value.details(), caught.value.details()
+    assert not server.state.failures
+    clients[0].set("k", b"v")
+    assert [c.get("k") for c in clients[:3]] == [b"v"] * 3
+    for c in clients[:3]:
+        c.leave()

@@ -212,7 +212,8 @@ def run(c):
         for i in range(int(os.environ["BARRIERS"])):
             c.barrier("tree")
             time.sleep(float(os.environ["PAUSE_S"]))
-        out[c.rank] = {"ok": True, "relayed": c.relay_target is not None, "hosts": c.relay is not None}
+        out[c.rank] = {"ok": True, "relayed": c.relay_target is not None, "hosts": c.relay is not None,
+                       "carried": dict(c.relay.ranks_carried) if c.relay is not None else {}}
         c.leave()
     except gridcomm.RankFailedError as exc:
         out[c.rank] = {"ok": False, "failed": exc.rank}
@@ -326,6 +327,12 @@ def test_the_relay_tree_carries_every_group_through_its_first_rank(coordinator_f
     # Ranks 0, 8, 16, 24 host their group's relay and dial the coordinator; the rest go through it.
     assert {r for r, v in out.items() if v["hosts"]} == {0, 8, 16, 24}
     assert all(v["relayed"] == (r % 8 != 0) for r, v in out.items())
+    # Each relay carried all 8 ranks' 10 barriers and the get: its own rank's too, so that the
+    # coordinator gets one message per group and barrier, not a second from the relay's rank.
+    assert all(out[r]["carried"].get("barrier") == 80 and out[r]["carried"].get("get") == 8 for r in (0, 8, 16, 24)), \
+        {r: out[r]["carried"] for r in (0, 8, 16, 24)}
+    messages = server._servicer.metrics.messages["barrier"]
+    assert 40 <= messages <= 320 - 40, messages  # at least one per group and barrier; never one per rank
     assert not server.state.failures
 
 

@@ -63,6 +63,10 @@ RELAY_JOIN_GRACE_S = 20.0
 #: The unary RPC that does what each Session operation does.
 _UNARY = {"join": "Join", "set": "Set", "get": "Get", "barrier": "Barrier", "leave": "Leave"}
 
+#: What a rank that hosts its group's relay sends through it (see _own_relay_session): the
+#: operations a relay aggregates.
+_THROUGH_OWN_RELAY = frozenset(("barrier", "get"))
+
 
 def _check_text(what: str, value: Any) -> None:
     """A key or name must be a str that UTF-8 can encode (a protobuf string): checked on the
@@ -145,6 +149,9 @@ class CoordinatorClient:
         self._relay_aio: grpc.aio.Channel | None = None
         #: The relay this rank hosts for its group of the tree (see _tree), once joined.
         self.relay: Any = None
+        #: A stream to that relay for this rank's own barriers and gets (see _own_relay_session).
+        self._own_relay: _session.Session | None = None
+        self._own_relay_aio: grpc.aio.Channel | None = None
         self._relay_rank: int | None = None
         #: The group relay this rank's join tries first (GRIDCOMM_RELAY_ADDRESSES), until joined.
         self._relay_join: str | None = None
@@ -214,7 +221,9 @@ class CoordinatorClient:
         the stream breaks; every operation is idempotent) as its unary RPC."""
         if self._closed:
             raise CommAborted(f"{what}: this client was closed.")
-        session = self.session_stream()
+        session = self._own_relay_session() if kind in _THROUGH_OWN_RELAY else None
+        if session is None:
+            session = self.session_stream()
         if session is not None:
             started = time.monotonic()
             try:
@@ -588,6 +597,27 @@ class CoordinatorClient:
             self._session = session
         return session
 
+    def _own_relay_session(self) -> _session.Session | None:
+        """A rank that hosts its group's relay sends its barriers and gets through that relay, as
+        its group does, so each reaches the coordinator inside the group's one aggregate: the
+        coordinator then handles one message per group and barrier, not two. Its heartbeats stay
+        on its own stream to the coordinator, so its process's death is seen there as soon as
+        that stream drops. None (its own stream, then) before the join, without a relay, or
+        once that stream broke (the relay lost the coordinator)."""
+        if self.relay is None or not self._joined or self.session_mode == "off":
+            return None
+        session = self._own_relay
+        if session is None:
+            target = self.relay.target
+            session = self._own_relay = _session.Session(
+                target, self._metadata, lambda: self._own_relay_channel(target), relay=True)
+        return None if session.closed else session
+
+    def _own_relay_channel(self, target: str) -> grpc.aio.Channel:
+        if self._own_relay_aio is None:
+            self._own_relay_aio = make_aio_channel(target, self.tls)
+        return self._own_relay_aio
+
     def relay_unreachable(self, session: _session.Session) -> None:
         """From the watcher (on the loop): the relay did not answer a heartbeat in time; stop
         using it (what ``session`` still carries falls back to unary calls to the coordinator)."""
@@ -611,6 +641,10 @@ class CoordinatorClient:
         """Closes the channel without leaving (idempotent)."""
         self._closed = True
         self.stop_watching()
+        own, self._own_relay = self._own_relay, None
+        if own is not None:
+            own_channel, self._own_relay_aio = self._own_relay_aio, None
+            _close_later(own, [own_channel] if own_channel is not None else [])
         relay, self.relay = self.relay, None
         if relay is not None:
             relay.stop_when_idle()

@@ -21,6 +21,7 @@ without the relay (see gridcomm._client.client), as it does when the relay dies.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 from collections.abc import Callable
@@ -129,6 +130,8 @@ class Relay:
         #: Operations carried upstream, and how many of them were aggregates of several ranks.
         self.carried = 0
         self.aggregated = 0
+        #: Rank operations carried upstream, by kind (an aggregate counts each rank it names).
+        self.ranks_carried: collections.Counter[str] = collections.Counter()
 
     @property
     def target(self) -> str:
@@ -313,6 +316,7 @@ class Relay:
         self._routes[op_id] = (kind, route, done)
         self._outbox.append(pb.SessionOp(id=op_id, **{kind: request}))
         self.carried += 1
+        self.ranks_carried[kind] += len(route)
         self._wake_writer()
 
     def _open_upstream(self) -> None:

@@ -71,6 +71,9 @@ class CoordinatorMetrics:
         self.rpcs: collections.Counter[tuple[str, str]] = collections.Counter()
         #: join, set, get and leave operations (Session or unary), as they start (a group counts each member).
         self.ops: collections.Counter[str] = collections.Counter()
+        #: Barrier and get operations received, by kind: a relay's aggregate counts once (so
+        #: ops / messages is how many ranks the relays fold into each).
+        self.messages: collections.Counter[str] = collections.Counter()
         #: Session operations answered with an error, by (kind, status code name).
         self.session_op_errors: collections.Counter[tuple[str, str]] = collections.Counter()
         #: Joins refused (wrong world size, job id, rank taken ...), by status code name.
@@ -201,6 +204,7 @@ class _Snapshot:
     barrier_sum: float
     rpcs: dict[tuple[str, str], int]
     ops: dict[str, int]
+    messages: dict[str, int]
     session_op_errors: dict[tuple[str, str], int]
     join_refusals: dict[str, int]
     loop_lag_s: float = 0.0
@@ -231,7 +235,7 @@ def _snapshot(coordinator: Any) -> _Snapshot:
         restarts=restarts, rank_failures=metrics.rank_failures, recoveries=metrics.recoveries,
         barriers_completed=metrics.barriers_completed, barrier_arrivals=metrics.barrier_arrivals,
         barrier_buckets=list(metrics.barrier_wait_buckets), barrier_sum=metrics.barrier_wait_sum,
-        rpcs=dict(metrics.rpcs), ops=dict(metrics.ops),
+        rpcs=dict(metrics.rpcs), ops=dict(metrics.ops), messages=dict(metrics.messages),
         session_op_errors=dict(metrics.session_op_errors), join_refusals=dict(metrics.join_refusals),
         loop_lag_s=servicer.lag.total_s if servicer is not None else 0.0,
         hangs=dict(metrics.hangs), longest_collective_wait_s=state.progress.longest_wait(now),
@@ -323,6 +327,11 @@ class _Collector:
         for kind, count in sorted(snap.ops.items()):
             ops.add_metric([kind], count)
         yield ops
+        messages = CounterMetricFamily("gridcomm_messages", "Barrier and get operations received, by kind: a relay's "
+                                       "aggregate for its ranks counts once.", labels=["op"])
+        for kind, count in sorted(snap.messages.items()):
+            messages.add_metric([kind], count)
+        yield messages
         errors = CounterMetricFamily("gridcomm_session_op_errors", "Session operations answered with an error, by "
                                      "kind and status.", labels=["op", "code"])
         for (kind, code), count in sorted(snap.session_op_errors.items()):

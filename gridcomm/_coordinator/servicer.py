@@ -440,14 +440,14 @@ class Servicer:
         if len(callers) > self._state.world_size:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"a {what} for {len(callers)} ranks is more than the job's {self._state.world_size}.")
-        for caller in callers:
-            self._caller(caller, what, now)
+        self._state.check_callers(callers, what, self._now() if now is None else now)
 
     async def get(self, request: pb.GetRequest, deadline: float | None) -> pb.GetResponse:
         member = self._caller(request.caller, "get")
         if request.also:
             self._also(request.also, "get")
         self.metrics.ops["get"] += 1 + len(request.also)
+        self.metrics.messages["get"] += 1
         state = self._state
         key = request.key
         value = state.get(key)  # validates the key
@@ -482,6 +482,7 @@ class Servicer:
         member = self._caller(request.caller, "barrier", now)
         if request.also:
             self._also(request.also, "barrier", now)
+        self.metrics.messages["barrier"] += 1
         barrier = state.barriers.get(name)
         # A name the state does not know (new, or dropped after every member passed it) starts
         # at the caller's seq: the instances before it completed long ago, nobody waits there.

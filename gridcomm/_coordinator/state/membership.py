@@ -4,6 +4,8 @@ generation, and every caller's identity check. Pure: the caller passes ``now``."
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
+from typing import Any
 
 from gridcomm._coordinator.state.barriers import Barriers
 from gridcomm._coordinator.state.common import (
@@ -424,6 +426,19 @@ class JobState(Liveness, Barriers, KeyValue):
         if member.state is MemberState.LEFT:
             raise StateError(FAILED_PRECONDITION, f"rank {rank} called {what} after it left the job.")
         return member
+
+    def check_callers(self, callers: Iterable[Any], what: str, now: float) -> None:
+        """check_caller for each rank of a relay's aggregate (``pb.Caller`` messages), each seen
+        at ``now``. Why a loop of its own: it runs for every rank of every aggregate; a caller
+        that passes every check of check_caller (the job's, joined, this process, this
+        generation) takes the short path, and any other gets check_caller's own answer."""
+        members, job_id, generation, left = self.members, self.job_id, self.generation, MemberState.LEFT
+        for caller in callers:
+            member = members.get(caller.rank)
+            if member is None or caller.job_id != job_id or caller.incarnation != member.incarnation \
+                    or caller.generation != generation or member.state is left:
+                member = self.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, what)
+            member.last_seen = now
 
     def _check_job(self, job_id: str) -> None:
         if job_id != self.job_id:
