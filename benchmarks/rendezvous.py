@@ -138,7 +138,9 @@ class GridcommPeer(Peer):
         # Every rank failed in the run (none was killed: each is a false failure), with when.
         failures = list(handle.state.failures)
         wall = time.time() - time.monotonic()
-        return {"failed_ranks": len(failures),
+        servicer = handle._servicer
+        return {"messages": dict(servicer.metrics.messages) if servicer is not None else {},
+                "failed_ranks": len(failures),
                 "failures": [{"rank": f.rank, "at_unix_s": wall + f.at, "reason": f.reason[:300]} for f in failures[:5]]}
 
     def connect(self, port: int, rank: int, world: int, timeout_s: float) -> Any:
@@ -525,8 +527,10 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
                     "connect": round(phase_cpu["t1"] - phase_cpu["go"], 3),
                     "t1": round(phase_cpu["t2"] - phase_cpu["t1"], 3),
                     "barriers": round(end["cpu_s"] - phase_cpu["t2"], 3)}
+                # Idle: every client connected and heartbeating, nothing else: liveness's own cost.
                 result.update(server_peak_mb=idle["hwm_mb"], server_cpu_s=end["cpu_s"] - base["cpu_s"],
-                              idle_growth_mb=idle["rss_mb"] - end["rss_mb"], idle_s=idle_s)
+                              idle_growth_mb=idle["rss_mb"] - end["rss_mb"], idle_s=idle_s,
+                              server_idle_cpu_s=round(idle["cpu_s"] - end["cpu_s"], 3))
             opened[phase] = time.monotonic()
             phase_cpu[phase] = proc_stats(server.pid)["cpu_s"]
             os.close(gates[phase][1])

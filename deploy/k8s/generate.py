@@ -683,7 +683,7 @@ _EMBEDDED_PORTS = """
               containerPort: $health_port
             - name: metrics
               containerPort: $metrics_port
-            # From 256 ranks, rank k x 32 serves its group's relay here (GRIDCOMM_RELAY_ADDRESSES).
+            # From 256 ranks, rank k x K (K: GRIDCOMM_RELAY_FANIN) serves its group's relay here.
             - name: relay
               containerPort: $relay_port"""
 
