@@ -255,6 +255,46 @@ def test_demo_on_nccl():
     assert "all checks passed" in result.stdout
 
 
+TEMPORARY_STREAMS = """
+import os, sys, time, socket
+import cupy
+from cupy.cuda import nccl
+import gridcomm
+
+sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1]; sock.close()
+g = gridcomm.init_process_group(1, 0, backend="nccl", host="127.0.0.1", port=port)
+x = cupy.ones(1, dtype=cupy.float32)
+for i in range(int(sys.argv[1])):
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        g.all_reduce(x, x)
+    s.synchronize()
+    del s  # the stream of the last collective is gone before the next heartbeat samples it
+    for _ in range(5):  # streams come and go meanwhile, and an NCCL communicator (~0.5 s each)
+        t = cupy.cuda.Stream(non_blocking=True)
+        del t
+    c = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    c.destroy()
+    time.sleep(0.3)
+assert float(x.get()[0]) == 1.0
+g.stop()
+print("TEMPORARY STREAMS OK", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_collective_on_a_temporary_stream_leaves_the_heartbeat_sample_safe():
+    """A collective's stream that its owner destroys right after: the watcher's GPU progress
+    sample (a CUDA event on that stream, at the next heartbeat, once a second here) must not
+    touch the destroyed stream. It did: the process died of SIGSEGV in the sample within a few
+    heartbeats (3 of 3 runs, before the counter held the stream object)."""
+    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", TEMPORARY_STREAMS, "16"],
+                            capture_output=True, text=True, timeout=100,
+                            env={**ENV, "GRIDCOMM_HEARTBEAT_TIMEOUT_S": "3"})
+    assert result.returncode == 0 and "TEMPORARY STREAMS OK" in result.stdout, \
+        f"rc {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+
+
 def _gpus() -> int:
     try:
         return int(cupy.cuda.runtime.getDeviceCount())

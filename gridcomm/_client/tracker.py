@@ -105,8 +105,9 @@ class Tracker:
         self.entered = 0
         self.kind = ""
         self.inside = False
-        #: The stream of the last collective (NCCL counts it; see its backend's gpu_progress).
-        self.stream = 0
+        #: The stream object of the last collective (NCCL keeps it, and so keeps it alive, for
+        #: its backend's gpu_progress; see there), or None.
+        self.stream: Any = None
         #: NCCL: () -> (collectives known complete on the GPU, seconds its pending sample waited).
         self.sampler: Callable[[], tuple[int, float]] | None = None
         self._recent: collections.deque[str] | None = collections.deque(maxlen=RECENT) if fingerprints else None

@@ -68,16 +68,6 @@ def _relaxed_capture_mode() -> None:
         raise GridcommError(f"cuThreadExchangeStreamCaptureMode returned {result}")
 
 
-class _StreamRef:
-    """A raw stream pointer in the CUDA stream protocol (what CuPy's Stream.from_external takes)."""
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.ptr)
-
-
 class _Count:
     """A count nobody reads (until the communicator hands the backend its tracker)."""
 
@@ -86,7 +76,7 @@ class _Count:
     def __init__(self) -> None:
         self.entered = 0
         self.kind = ""
-        self.stream = 0
+        self.stream: Any = None
 
 
 class NcclBackend:
@@ -247,7 +237,8 @@ class NcclBackend:
         counter = self.progress  # the communicator's count of collectives entered
         counter.entered += 1
         counter.kind = "all_reduce"
-        s = counter.stream = self._current_stream().ptr if stream is None else stream.ptr
+        counter.stream = st = self._current_stream() if stream is None else stream
+        s = st.ptr
         try:
             dtype = in_array.dtype
             nccl_type, mult, code = self._reduce_by_id[op][id(dtype)]
@@ -273,7 +264,8 @@ class NcclBackend:
         counter = self.progress  # the communicator's count of collectives entered
         counter.entered += 1
         counter.kind = "reduce"
-        s = counter.stream = self._current_stream().ptr if stream is None else stream.ptr
+        counter.stream = st = self._current_stream() if stream is None else stream
+        s = st.ptr
         root = _validate.reduce(in_array, out_array, root, op, self.rank, self.world_size)
         nccl_type, count = self._typed(in_array, "reduce", "in_array")
         out_ptr = out_array.data.ptr if self.rank == root else in_array.data.ptr
@@ -284,7 +276,8 @@ class NcclBackend:
         counter = self.progress  # the communicator's count of collectives entered
         counter.entered += 1
         counter.kind = "broadcast"
-        s = counter.stream = self._current_stream().ptr if stream is None else stream.ptr
+        counter.stream = st = self._current_stream() if stream is None else stream
+        s = st.ptr
         try:
             nccl_type, mult = self._by_id[id(in_out_array.dtype)]
             fast = in_out_array._c_contiguous and type(root) is int and 0 <= root < self.world_size
@@ -308,7 +301,8 @@ class NcclBackend:
         counter = self.progress  # the communicator's count of collectives entered
         counter.entered += 1
         counter.kind = "reduce_scatter"
-        s = counter.stream = self._current_stream().ptr if stream is None else stream.ptr
+        counter.stream = st = self._current_stream() if stream is None else stream
+        s = st.ptr
         count = _validate.reduce_scatter(in_array, out_array, count, op, self.world_size)
         nccl_type, mult = self._dtypes[in_array.dtype]
         self._nccl_reduce_scatter(in_array.data.ptr, out_array.data.ptr, count * mult, nccl_type, self._ops[op],
@@ -318,7 +312,8 @@ class NcclBackend:
         counter = self.progress  # the communicator's count of collectives entered
         counter.entered += 1
         counter.kind = "all_gather"
-        s = counter.stream = self._current_stream().ptr if stream is None else stream.ptr
+        counter.stream = st = self._current_stream() if stream is None else stream
+        s = st.ptr
         try:
             dtype = in_array.dtype
             nccl_type, mult = self._by_id[id(dtype)]
@@ -402,7 +397,8 @@ class NcclBackend:
         counter = self.progress  # the communicator's count of collectives entered
         counter.entered += 1
         counter.kind = "scatter"
-        s = counter.stream = self._current_stream().ptr if stream is None else stream.ptr
+        counter.stream = st = self._current_stream() if stream is None else stream
+        s = st.ptr
         root = _validate.scatter(in_array, out_array, root, self.rank, self.world_size)
         out_type, out_count = self._typed(out_array, "scatter", "out_array")
         self._group_start()
@@ -420,7 +416,8 @@ class NcclBackend:
         counter = self.progress  # the communicator's count of collectives entered
         counter.entered += 1
         counter.kind = "gather"
-        s = counter.stream = self._current_stream().ptr if stream is None else stream.ptr
+        counter.stream = st = self._current_stream() if stream is None else stream
+        s = st.ptr
         root = _validate.gather(in_array, out_array, root, self.rank, self.world_size)
         in_type, in_count = self._typed(in_array, "gather", "in_array")
         self._group_start()
@@ -438,7 +435,8 @@ class NcclBackend:
         counter = self.progress  # the communicator's count of collectives entered
         counter.entered += 1
         counter.kind = "all_to_all"
-        s = counter.stream = self._current_stream().ptr if stream is None else stream.ptr
+        counter.stream = st = self._current_stream() if stream is None else stream
+        s = st.ptr
         _validate.all_to_all(in_array, out_array, self.world_size)
         nccl_type, mult = self._dtypes[in_array.dtype]
         count = in_array.size // self.world_size * mult
@@ -497,8 +495,13 @@ class NcclBackend:
                 if sample is not None and sample[0].done:
                     self._completed, self._sample, sample = sample[1], None, None
                 entered = counter.entered
-                if sample is None and entered > self._completed and self._owner is not None:
-                    stream = self._stream_of(counter.stream)
+                # Why the stream object, never its pointer: the counter holds the last collective's
+                # stream alive, so an event is never recorded on a stream its owner has destroyed
+                # since (a temporary stream, gone by the next heartbeat: that crashed the process).
+                stream = counter.stream
+                if sample is None and entered > self._completed and self._owner is not None and stream is not None:
+                    if not hasattr(stream, "is_capturing"):  # not a CuPy stream: wrap its pointer
+                        stream = cupy.cuda.ExternalStream(stream.ptr)
                     if not stream.is_capturing():
                         event = cupy.cuda.Event(block=False, disable_timing=True)
                         event.record(stream)
@@ -508,18 +511,6 @@ class NcclBackend:
             self._sample = None
             return max(self._completed, counter.entered), 0.0
         return self._completed, (now - sample[2]) if sample is not None else 0.0
-
-    def _stream_of(self, ptr: int) -> Any:
-        """A CuPy stream object for a stream the main thread used (kept per pointer)."""
-        streams: dict[int, Any] = self.__dict__.setdefault("_streams", {})
-        stream = streams.get(ptr)
-        if stream is None:
-            if len(streams) > 64:
-                streams.clear()
-            from_external = getattr(self._cupy.cuda.Stream, "from_external", None)
-            stream = streams[ptr] = (from_external(_StreamRef(ptr)) if from_external is not None
-                                     else self._cupy.cuda.ExternalStream(ptr))
-        return stream
 
     def synchronize(self) -> None:
         self._current_stream().synchronize()
