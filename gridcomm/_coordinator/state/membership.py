@@ -432,13 +432,13 @@ class JobState(Liveness, Barriers, KeyValue):
         at ``now``. Why a loop of its own: it runs for every rank of every aggregate; a caller
         that passes every check of check_caller (the job's, joined, this process, this
         generation) takes the short path, and any other gets check_caller's own answer."""
-        members, job_id, generation, left = self.members, self.job_id, self.generation, MemberState.LEFT
+        members, job_id, generation, left, seen = self.members, self.job_id, self.generation, MemberState.LEFT, self.seen
         for caller in callers:
             member = members.get(caller.rank)
             if member is None or caller.job_id != job_id or caller.incarnation != member.incarnation \
                     or caller.generation != generation or member.state is left:
                 member = self.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, what)
-            member.last_seen = now
+            seen(member, now)
 
     def _check_job(self, job_id: str) -> None:
         if job_id != self.job_id:
