@@ -391,6 +391,10 @@ def test_the_watchdog_binds_a_dead_server_again_and_waits_survive() -> None:
         waiter.start()
         main, health_server = server._main, server._health_server
         assert main is not None and health_server is not None
+        # The watchdog waits on grpcio's serving task (no timer to poll with): a grpcio without
+        # one would leave it polling, and this says so.
+        first_serving = main._serving
+        assert first_serving is not None and not first_serving.done()
 
         squatting = threading.Event()
         report = main._on_accepting
@@ -431,6 +435,7 @@ def test_the_watchdog_binds_a_dead_server_again_and_waits_survive() -> None:
         while (main.restarts, health_server.restarts) != (1, 1) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert (main.restarts, health_server.restarts) == (1, 1)
+        assert first_serving.done() and main._serving is not None and main._serving is not first_serving
         assert server.serving
         assert health_of(server.health_port) == SERVING
         clients[1].barrier("across-the-death", timeout_s=20.0)

@@ -118,6 +118,16 @@ def _client(server, rank, world, **kw):
 
 
 @pytest.mark.timeout(30)
+def _joined(server, world):
+    """Every rank's client, joined (the joins wait for each other: one thread each)."""
+    import concurrent.futures
+
+    clients = [_client(server, r, world, timeout_s=20.0) for r in range(world)]
+    with concurrent.futures.ThreadPoolExecutor(world) as pool:
+        list(pool.map(lambda c: c.join(), clients))
+    return clients
+
+
 def test_world_size_mismatch_is_rejected_at_once(coordinator_factory):
     server = coordinator_factory(2)
     t0 = time.monotonic()
@@ -469,16 +479,12 @@ def test_an_aggregate_naming_a_caller_the_coordinator_would_refuse_is_refused_wh
     another generation, a rank that left, or more ranks than the job has are refused with a
     readable status, no arrival of the refused aggregate completes a barrier, and the
     coordinator goes on serving a good aggregate and the ranks' own calls."""
-    import concurrent.futures
-
     from gridcomm._proto import coordinator_pb2 as pb
     from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 
     world = 4
     server = coordinator_factory(world)
-    clients = [_client(server, r, world, timeout_s=20.0) for r in range(world)]
-    with concurrent.futures.ThreadPoolExecutor(world) as pool:
-        list(pool.map(lambda c: c.join(), clients))
+    clients = _joined(server, world)
     callers = [c.caller for c in clients]
 
     def with_(caller: pb.Caller, **change) -> pb.Caller:
@@ -532,4 +538,51 @@ def test_an_aggregate_naming_a_caller_the_coordinator_would_refuse_is_refused_wh
     clients[0].set("k", b"v")
     assert [c.get("k") for c in clients[:3]] == [b"v"] * 3
     for c in clients[:3]:
+        c.leave()
+
+
+@pytest.mark.timeout(60)
+def test_a_heartbeat_that_repeats_its_progress_refreshes_it_and_a_bad_age_is_still_refused(coordinator_factory):
+    """A rank between collectives sends the same progress entries with every heartbeat (only the
+    ages grow); the coordinator takes such a report as the rank being heard from (its progress
+    stays fresh, so it is named as the laggard past the freshness bound), reads a changed report
+    in full, and refuses a repeated entry whose age is not a number as it refuses a first one."""
+    import math
+
+    from gridcomm._proto import coordinator_pb2 as pb
+    from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+
+    world = 2
+    server = coordinator_factory(world)
+    clients = _joined(server, world)
+    callers = [c.caller for c in clients]
+
+    def beat(rank: int, entered: int, age: float, inside: bool) -> None:
+        stub.Heartbeat(pb.HeartbeatRequest(caller=callers[rank], wait_s=0.0, progress=[pb.Progress(
+            communicator="world", entered=entered, kind="all_reduce", age_s=age, inside=inside)]), timeout=10)
+
+    progress = server.state.progress
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        beat(0, 5, 0.0, True)
+        beat(1, 4, 0.0, False)
+        first = progress.communicators["world"].ranks[1].reported_at
+        time.sleep(0.05)
+        beat(1, 4, 0.05, False)  # the same entry again: only when it was heard from moves
+        again = progress.communicators["world"].ranks[1]
+        assert again.reported_at > first and again.entered == 4
+        # With a freshness bound its first report alone is past, rank 1 is still named: the repeat
+        # counts as a report.
+        now = server._servicer._now()
+        assert progress.communicators["world"].late(now, fresh_s=now - first - 0.01)[0] == [1]
+        beat(1, 5, 0.0, True)  # changed: read in full
+        assert progress.communicators["world"].ranks[1].entered == 5 and progress.communicators["world"].ranks[1].inside
+        for bad in (math.nan, -1.0, math.inf):
+            with pytest.raises(grpc.RpcError) as caught:
+                beat(1, 5, bad, True)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "age" in caught.value.details(), \
+                caught.value.details()
+        beat(1, 5, 0.1, True)
+    assert not server.state.failures
+    for c in clients:
         c.leave()

@@ -36,8 +36,11 @@ if c.rank == 0:
 assert c.get("blob") == b"x" * 300
 n = int(os.environ.get("BARRIERS", "10"))
 pause = float(os.environ.get("PAUSE_S", "0"))
+late, first_late = float(os.environ.get("LATE_S", "0")), float(os.environ.get("FIRST_LATE_S", "0"))
 try:
     for i in range(n):
+        if late or (first_late and i == 0):
+            time.sleep(late or first_late)
         c.barrier("step")
         if pause:
             time.sleep(pause)
@@ -75,6 +78,61 @@ def test_ranks_reach_the_coordinator_through_a_relay_as_aggregates(coordinator_f
         assert relay.aggregated > 0 and relay.carried < world * 42, (relay.aggregated, relay.carried)
         assert not server.state.failures
     finally:
+        relay.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_relay_sends_a_barrier_up_once_its_ranks_have_arrived(coordinator_factory):
+    """A barrier's arrivals wait at the relay for the relay's other ranks in it (the barrier
+    cannot pass without them): with one rank 0.2 s behind the others at every barrier, the
+    coordinator still gets one message per barrier, where sending what had arrived gave two."""
+    world, n = 4, 10
+    server = coordinator_factory(world, token=TOKEN)
+    relay = Relay(server.address, token=TOKEN).start()
+    try:
+        results = RankProcesses(RANK, world, env=env_for(server, relay.target, BARRIERS=str(n)),
+                                per_rank_env={3: {"LATE_S": "0.2"}}).wait(90)
+        assert_all_ok(results)
+        assert relay.ranks_carried["barrier"] == world * n
+        # Why not exactly n: a barrier whose late rank comes more than BARRIER_HOLD_S after the
+        # first (a stalled machine) goes up in two.
+        assert n <= relay.sent["barrier"] <= n + 2, dict(relay.sent)
+        assert not server.state.failures
+    finally:
+        relay.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_does_not_come_holds_its_siblings_arrivals_only_briefly(coordinator_factory):
+    """Rank 3 reaches the first barrier 8 s after the others: the coordinator learns of ranks
+    0-2's arrival after the relay's hold (BARRIER_HOLD_S, 1 s), long before rank 3 comes, so
+    status names rank 3 alone as missing; then the barrier passes for all."""
+    from gridcomm._client.relay import BARRIER_HOLD_S
+    from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+
+    assert BARRIER_HOLD_S < 8.0 / 2
+    world = 4
+    server = coordinator_factory(world, token=TOKEN)
+    relay = Relay(server.address, token=TOKEN).start()
+    ranks = RankProcesses(RANK, world, env=env_for(server, relay.target, BARRIERS="2"),
+                          per_rank_env={3: {"FIRST_LATE_S": "8"}})
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+
+            def three_arrived() -> list:
+                status = stub.Status(pb.StatusRequest(), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10)
+                rows = [(list(b.arrived_ranks), list(b.missing_ranks)) for b in status.barriers if b.name == "step"]
+                return rows if rows and len(rows[0][0]) == 3 else []
+
+            seen = wait_for(three_arrived, "ranks 0-2's arrival at the coordinator", 60.0)
+            assert seen == [([0, 1, 2], [3])], seen
+            assert relay.ranks_carried["barrier"] == 3  # rank 3 has not come yet: its siblings went up without it
+        results = ranks.wait(90)
+        assert_all_ok(results)
+        assert not server.state.failures
+    finally:
+        ranks.close()
         relay.stop()
 
 

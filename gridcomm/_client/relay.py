@@ -4,7 +4,11 @@ Ranks dial the relay exactly as they would dial the coordinator (the same Sessio
 token); the relay holds one Session stream to the coordinator and carries their operations on it:
 
 - the same barrier arrival (name, sequence number, generation) or get (key) of several ranks goes
-  up as one operation naming them all (``also``), and its one answer goes back to each;
+  up as one operation naming them all (``also``), and its one answer goes back to each. A barrier's
+  arrivals are held until every rank connected here that takes part in it has arrived (the barrier
+  cannot pass before they do, so holding delays nothing), or for at most ``BARRIER_HOLD_S``: the
+  coordinator gets one message per relay and barrier, and a rank that does not come (hung, or
+  slower than the hold) delays its siblings' arrivals at the coordinator by that much at most;
 - joins, sets and leaves go up one by one, batched into the stream's messages;
 - a rank's heartbeat is answered by the relay itself (at its wait, or at once when the relay
   learns of a failure); the relay sends the coordinator one heartbeat for all its ranks every
@@ -42,10 +46,23 @@ log = logging.getLogger(__name__)
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+_DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 
 
 #: Connections a relay accepts at once: its node's ranks (a few each) and room to spare.
 MAX_RELAY_CONNECTIONS = 4096
+
+#: The longest a barrier arrival waits at the relay for the rest of the relay's ranks before it
+#: goes up. Why bounded: what the coordinator knows of a barrier (`gridcomm status`, a barrier
+#: timeout's list of missing ranks) lags by this much for ranks whose sibling does not come.
+BARRIER_HOLD_S = 1.0
+
+#: Barriers a relay remembers having sent up (so that a repeated long poll is not held).
+_WENT_UP_KEPT = 256
+
+#: Ranks one stream may speak for in the relay's count of whom barriers wait for (a shared
+#: session carries its process's ranks; more is not a deployment, and must not grow the relay).
+_RANKS_PER_STREAM = 64
 
 
 def _group_key(kind: str, request: Any) -> tuple[Any, ...] | None:
@@ -69,6 +86,8 @@ class _Child:
         self.closed = False
         self.inflight = 0
         self.writer: asyncio.Task[None] | None = None
+        #: The ranks whose operations this stream carried (one, but for a shared session).
+        self.ranks: set[int] = set()
 
     def answer(self, result: pb.SessionResult) -> None:
         if self.closed:
@@ -89,6 +108,20 @@ class _Child:
 
 #: (child, the child's op id, the child's op): who an upstream operation answers.
 _Route = list[tuple[_Child, int, pb.SessionOp]]
+
+
+class _Group:
+    """The same operation of several ranks, gathered until it goes up as one aggregate."""
+
+    __slots__ = ("route", "waiting", "due")
+
+    def __init__(self, route: _Route, waiting: set[int] | None, due: float) -> None:
+        self.route = route
+        #: A barrier's: the ranks connected here that take part in it and have not arrived
+        #: (None: it goes up at the next write).
+        self.waiting = waiting
+        #: Loop time by which it goes up whoever is missing.
+        self.due = due
 
 
 class Relay:
@@ -115,8 +148,13 @@ class Relay:
         self._has_work: asyncio.Event | None = None
         self._routes: dict[int, tuple[str, _Route, Callable[[pb.SessionResult], None] | None]] = {}
         self._next_id = 0
-        self._groups: dict[tuple[Any, ...], _Route] = {}
+        self._groups: dict[tuple[Any, ...], _Group] = {}
         self._children: set[_Child] = set()
+        #: rank -> (the stream it reaches this relay on, the generation its latest operation named):
+        #: whom a barrier's arrivals wait for.
+        self._ranks: dict[int, tuple[_Child, int]] = {}
+        #: The latest barriers sent up (their group keys), oldest first.
+        self._went_up: collections.OrderedDict[tuple[Any, ...], None] = collections.OrderedDict()
         #: rank -> (its latest caller, when its last heartbeat arrived (loop time), and the
         #: background loop's lag then: lag after it is left out of the age the relay reports)
         self._beats: dict[int, tuple[pb.Caller, float, float]] = {}
@@ -132,6 +170,8 @@ class Relay:
         self.aggregated = 0
         #: Rank operations carried upstream, by kind (an aggregate counts each rank it names).
         self.ranks_carried: collections.Counter[str] = collections.Counter()
+        #: Operations sent upstream, by kind (an aggregate counts once).
+        self.sent: collections.Counter[str] = collections.Counter()
 
     @property
     def target(self) -> str:
@@ -242,6 +282,7 @@ class Relay:
             child.closed = True
             child.ready.set()
             self._children.discard(child)
+            self._forget(child)
             # Why the writer ends first: an abort while a reply is being written fails (too many
             # operations on the call) and leaves the stream hanging.
             try:
@@ -261,6 +302,9 @@ class Relay:
         if kind in ("barrier", "get", "heartbeat"):
             # Why: only the relay speaks for several ranks at once.
             request.ClearField("also")
+        caller = getattr(request, "caller", None)
+        if caller is not None:
+            self._note(child, caller)
         if kind == "heartbeat":
             self._child_heartbeat(child, op)
             return
@@ -270,10 +314,53 @@ class Relay:
             return
         group = self._groups.get(key)
         if group is None:
-            self._groups[key] = [(child, op.id, op)]
+            # Why not a barrier this relay has sent up before: that is a long poll repeated, and
+            # the barrier may pass meanwhile; held, its answer would come late.
+            waiting = self._expected(key) if kind == "barrier" and key not in self._went_up else None
+            group = self._groups[key] = _Group([(child, op.id, op)], waiting, 0.0)
+            if waiting is not None:
+                waiting.discard(request.caller.rank)
+                if waiting:
+                    loop = asyncio.get_running_loop()
+                    group.due = loop.time() + BARRIER_HOLD_S
+                    loop.call_at(group.due, self._hold_ended)
+                    return
             self._wake_writer()
-        else:
-            group.append((child, op.id, op))
+            return
+        group.route.append((child, op.id, op))
+        waiting = group.waiting
+        if waiting:
+            waiting.discard(request.caller.rank)
+            if not waiting:
+                self._wake_writer()
+
+    def _note(self, child: _Child, caller: pb.Caller) -> None:
+        """Which stream ``caller``'s rank reaches this relay on, and in which generation."""
+        rank = caller.rank
+        entry = self._ranks.get(rank)
+        if entry is None or entry[0] is not child or entry[1] != caller.generation:
+            if entry is None and len(child.ranks) >= _RANKS_PER_STREAM:
+                return
+            if entry is not None and entry[0] is not child:
+                entry[0].ranks.discard(rank)
+            self._ranks[rank] = (child, caller.generation)
+            child.ranks.add(rank)
+
+    def _forget(self, child: _Child) -> None:
+        for rank in child.ranks:
+            entry = self._ranks.get(rank)
+            if entry is not None and entry[0] is child:
+                del self._ranks[rank]
+        child.ranks.clear()
+
+    def _expected(self, key: tuple[Any, ...]) -> set[int]:
+        """The ranks connected here that a barrier's arrivals wait for: those of its generation,
+        and among its participants when it names them."""
+        generation, participants = key[2], key[5]
+        ranks = {rank for rank, (child, gen) in self._ranks.items() if gen == generation and not child.closed}
+        if participants:
+            ranks.intersection_update(participants)
+        return ranks
 
     def _child_heartbeat(self, child: _Child, op: pb.SessionOp) -> None:
         request = op.heartbeat
@@ -303,6 +390,10 @@ class Relay:
         task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------------ upstream
+    def _hold_ended(self) -> None:
+        if self._groups and not self._stopped:
+            self._wake_writer()
+
     def _wake_writer(self) -> None:
         if self._up is None:
             self._open_upstream()
@@ -316,6 +407,7 @@ class Relay:
         self._routes[op_id] = (kind, route, done)
         self._outbox.append(pb.SessionOp(id=op_id, **{kind: request}))
         self.carried += 1
+        self.sent[kind] += 1
         self.ranks_carried[kind] += len(route)
         self._wake_writer()
 
@@ -328,9 +420,20 @@ class Relay:
                           asyncio.ensure_future(self._read_up(call)))
 
     def _flush_groups(self) -> None:
-        groups, self._groups = self._groups, {}
-        for key, route in groups.items():
+        """Sends the groups that are complete or due; a barrier still waiting for ranks stays."""
+        if not self._groups:
+            return
+        now = asyncio.get_running_loop().time()
+        for key, group in list(self._groups.items()):
+            if group.waiting and group.due > now:
+                continue
+            del self._groups[key]
+            route = group.route
             kind = key[0]
+            if kind == "barrier":
+                self._went_up[key] = None
+                if len(self._went_up) > _WENT_UP_KEPT:
+                    self._went_up.popitem(last=False)
             first = getattr(route[0][2], kind)
             if len(route) == 1:
                 self._send(kind, first, route)
@@ -376,15 +479,22 @@ class Relay:
         if done is not None:
             done(result)
             return
-        if result.code and len(route) > 1:
+        if result.code and len(route) > 1 and result.code != _DEADLINE:
             # An aggregate refused: each rank's operation alone gets the answer it would have.
+            # Why not a wait that ended (DEADLINE_EXCEEDED: the barrier has not passed, the key is
+            # not set yet): that answer is every rank's, and each repeats its long poll.
             for child, op_id, op in route:
                 self._send(kind, getattr(op, kind), [(child, op_id, op)])
             return
         if kind == "leave" and not result.code:
-            for _child, _op_id, op in route:
-                self._beats.pop(op.leave.caller.rank, None)
-                self._progress.pop(op.leave.caller.rank, None)
+            for child, _op_id, op in route:
+                rank = op.leave.caller.rank
+                self._beats.pop(rank, None)
+                self._progress.pop(rank, None)
+                noted = self._ranks.get(rank)
+                if noted is not None and noted[0] is child:
+                    del self._ranks[rank]
+                    child.ranks.discard(rank)
         for child, op_id, _op in route:
             answer = pb.SessionResult()
             answer.CopyFrom(result)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -260,6 +261,19 @@ class Servicer:
             if cause:
                 self.metrics.hangs[cause] += 1
             self._on_failure()
+
+    @staticmethod
+    def _said(progress: Any) -> tuple[tuple[str, int, str, bool, int], ...] | None:
+        """What a heartbeat's progress entries say, in a form compared with the rank's last report
+        (see Progress.unchanged); None when an entry carries what only the full check and report
+        handle: fingerprints, a pending GPU sample, or an age that is not a finite number >= 0."""
+        said = []
+        for p in progress:
+            age = p.age_s
+            if p.recent or p.gpu_wait_s != 0.0 or not 0.0 <= age < math.inf:
+                return None
+            said.append((p.communicator, p.entered, p.kind, p.inside, p.completed))
+        return tuple(said)
 
     @staticmethod
     def _entries(progress: Any, what: str) -> list[Entry]:
@@ -524,7 +538,10 @@ class Servicer:
         self.metrics.ops["heartbeat"] += 1
         now = self._now()
         if request.progress:
-            state.report_progress(member.rank, caller.generation, self._entries(request.progress, "a heartbeat"), now)
+            said = self._said(request.progress)
+            if said is None or not state.progress_unchanged(member.rank, caller.generation, said, now):
+                state.report_progress(member.rank, caller.generation, self._entries(request.progress, "a heartbeat"),
+                                      now, said)
         state.heartbeat(member.rank, now, self.lag.total_s)
         beat = member.last_heartbeat
         self._wake(("beat", member.rank))  # a second process for this rank may wait to learn it is alive
@@ -583,9 +600,11 @@ class Servicer:
                 continue
             mine = progress.get(caller.rank)
             if mine:
+                said = self._said(mine)
                 try:
-                    state.report_progress(member.rank, caller.generation,
-                                          self._entries(mine, f"rank {caller.rank}'s relayed heartbeat"), now)
+                    if said is None or not state.progress_unchanged(member.rank, caller.generation, said, now):
+                        state.report_progress(member.rank, caller.generation,
+                                              self._entries(mine, f"rank {caller.rank}'s relayed heartbeat"), now, said)
                 except Abort as exc:
                     log.warning("coordinator: %s (its progress is left out)", exc.message)
             # Why clamped: the age comes off the wire (NaN, negative, absurd).

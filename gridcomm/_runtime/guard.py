@@ -57,8 +57,13 @@ from gridcomm._wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES
 
 log = logging.getLogger(__name__)
 
-#: How often the watchdog looks at the server's state (a poll costs a few microseconds).
+#: How often the watchdog looks at the server's state when it cannot wait for grpcio's serving
+#: task to end (a grpcio whose server keeps no such task), and the first retry of a rebind.
 POLL_S = 0.02
+#: How often it looks anyway while it waits for that task. Why not a short poll throughout:
+#: a timer's wake-up costs ~0.2 ms of CPU on these VMs, so 50 a second was ~10 ms/s per server
+#: (a coordinator has two, every relay and rank health port one) with nothing happening.
+BACKSTOP_S = 2.0
 #: Concurrent health Watch streams one server answers; kubelet uses Check, not Watch.
 MAX_HEALTH_WATCHERS = 64
 #: Health requests read at once. Why: they need no token, so each is read whole (up to the
@@ -223,6 +228,18 @@ def _running(server: grpc.aio.Server) -> bool:
     return True if is_running is None else bool(is_running())
 
 
+async def _start(server: grpc.aio.Server) -> asyncio.Future[Any] | None:
+    """Starts ``server``; returns grpcio's task that runs its accept loop (it ends when the loop
+    dies), or None when there is no such task to be found (the watchdog then polls). Why a
+    private name: grpcio says nothing public when its loop dies."""
+    before = asyncio.all_tasks()
+    await server.start()
+    for task in asyncio.all_tasks() - before:
+        if getattr(task.get_coro(), "__qualname__", "").endswith("_server_main_loop"):
+            return task
+    return None
+
+
 def bind_problem(target: str) -> str | None:
     """Why ``target`` (HOST:PORT) cannot be listened on now, or None when it can (or when the
     port is 0). Why ask before grpc does: grpc's core prints its own error line
@@ -271,6 +288,8 @@ class GuardedServer:
         self._credentials = credentials
         self._on_accepting = on_accepting
         self._server: grpc.aio.Server | None = None
+        #: grpcio's task that serves the current server (None: not found; the watchdog polls).
+        self._serving: asyncio.Future[Any] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._stopping = False
         self.port = 0
@@ -301,14 +320,19 @@ class GuardedServer:
         server, port = self._bind(self._target)
         if not port:
             return 0
-        await server.start()
+        self._serving = await _start(server)
         self._server, self.port, self.accepting = server, port, True
         self._watchdog = asyncio.ensure_future(self._watch())
         return port
 
     async def _watch(self) -> None:
         while not self._stopping:
-            await asyncio.sleep(POLL_S)
+            serving = self._serving
+            if serving is not None and not serving.done():
+                # Woken the moment grpcio's serving task ends, not by a timer.
+                await asyncio.wait((serving,), timeout=BACKSTOP_S)
+            else:
+                await asyncio.sleep(POLL_S)
             server = self._server
             if self._stopping or server is None or _running(server):
                 continue
@@ -331,7 +355,7 @@ class GuardedServer:
             # Asked first, so that gRPC's own error line is not printed for every try.
             server, port = self._bind(target) if bind_problem(target) is None else (None, 0)
             if server is not None and port:
-                await server.start()
+                self._serving = await _start(server)
                 self._server, self.accepting = server, True
                 self.restarts += 1
                 log.warning("%s: serving again on port %d after %.3f s", self.name, port, time.monotonic() - started)

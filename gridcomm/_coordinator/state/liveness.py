@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 from gridcomm._coordinator.state.common import Failure, Member, MemberState, StateBase
 from gridcomm._coordinator.state.progress import Entry, Hang, Progress
@@ -87,14 +87,25 @@ class Liveness(StateBase):
     #: +1 whenever the forming rendezvous gains or loses a member (what a cached missing list keys on).
     member_changes: int
 
-    def report_progress(self, rank: int, generation: int, entries: Iterable[Entry], now: float) -> None:
+    def report_progress(self, rank: int, generation: int, entries: Iterable[Entry], now: float,
+                        said: Hashable | None = None) -> None:
         """``rank``'s progress in its communicators of ``generation`` (see state.progress)."""
         if self.progress.generation != self.generation:
             self.progress.reset(self.generation)
         member = self.members.get(rank)
         if member is None or member.state is not MemberState.JOINED or self._failed:
             return
-        self.progress.report(rank, generation, entries, now)
+        self.progress.report(rank, generation, entries, now, said)
+
+    def progress_unchanged(self, rank: int, generation: int, said: Hashable, now: float) -> bool:
+        """True when ``rank``'s report says what its last one said (see Progress.unchanged), which
+        it then stands for; False: the report goes through :meth:`report_progress`."""
+        if self.progress.generation != self.generation or self._failed:
+            return False
+        member = self.members.get(rank)
+        if member is None or member.state is not MemberState.JOINED:
+            return False
+        return self.progress.unchanged(rank, generation, said, now)
 
     def hang(self, now: float, bound_s: float, fresh_s: float) -> Hang | None:
         """A stall or mismatch to name (None while the generation is failed or not formed)."""

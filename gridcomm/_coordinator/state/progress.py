@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 #: Communicators tracked per generation; reports naming more are ignored (a hostile or buggy
 #: client cannot grow the coordinator's memory with names).
@@ -328,15 +328,34 @@ class Progress:
         self.communicators: dict[str, CommunicatorProgress] = {}
         #: rank -> the communicators it reported last time (one it stops reporting, it left).
         self._reported: dict[int, frozenset[str]] = {}
+        #: rank -> what its last report said, as :meth:`unchanged` compares it.
+        self._said: dict[int, Hashable] = {}
 
     def reset(self, generation: int) -> None:
         """A new generation: its communicators are new."""
         self.generation = generation
         self.communicators.clear()
         self._reported.clear()
+        self._said.clear()
 
-    def report(self, rank: int, generation: int, entries: Iterable[Entry], now: float) -> None:
-        """``rank``'s report of ``generation`` (one of another generation is ignored)."""
+    def unchanged(self, rank: int, generation: int, said: Hashable, now: float) -> bool:
+        """True when ``rank``'s last report of ``generation`` said ``said`` too (every count,
+        kind and flag the same; only the ages grew): then the report only says that the rank
+        was heard from at ``now``. Why: a rank between collectives reports the same entries
+        with every heartbeat, and the full report is most of a relayed heartbeat's cost."""
+        if generation != self.generation or self._said.get(rank) != said:
+            return False
+        for name in self._reported.get(rank, ()):
+            comm = self.communicators.get(name)
+            entry = comm.ranks.get(rank) if comm is not None else None
+            if entry is not None:
+                entry.reported_at = now
+        return True
+
+    def report(self, rank: int, generation: int, entries: Iterable[Entry], now: float,
+               said: Hashable | None = None) -> None:
+        """``rank``'s report of ``generation`` (one of another generation is ignored); ``said``:
+        what :meth:`unchanged` compares the next report with (None: nothing)."""
         if generation != self.generation or generation == 0:
             return
         names = set()
@@ -351,6 +370,10 @@ class Progress:
         for gone in self._reported.get(rank, frozenset()) - names:
             self._drop(gone, rank)
         self._reported[rank] = frozenset(names)
+        if said is None:
+            self._said.pop(rank, None)
+        else:
+            self._said[rank] = said
 
     def _drop(self, name: str, rank: int) -> None:
         comm = self.communicators.get(name)
@@ -361,6 +384,7 @@ class Progress:
 
     def remove(self, rank: int) -> None:
         """``rank`` left or failed: it is waited for no longer."""
+        self._said.pop(rank, None)
         for name in self._reported.pop(rank, frozenset()):
             self._drop(name, rank)
 
