@@ -586,3 +586,66 @@ def test_a_heartbeat_that_repeats_its_progress_refreshes_it_and_a_bad_age_is_sti
     assert not server.state.failures
     for c in clients:
         c.leave()
+
+
+@pytest.mark.timeout(60)
+def test_an_aggregated_join_registers_each_rank_and_sends_back_what_a_join_of_its_own_must_answer(coordinator_factory):
+    """A relay's aggregate of first joins (``JoinRequest.also``): one wait and one answer for all
+    its ranks, each registered as its own join would be. What only a join of its own can answer
+    (a rank out of range, another world size, a second process for a rank of the running job) is
+    refused with FAILED_PRECONDITION, which makes a relay repeat each join alone; an aggregate
+    that is not a first join, or names more ranks than the job has, is refused as bad input."""
+    import concurrent.futures
+    import threading
+
+    from gridcomm._proto import coordinator_pb2 as pb
+    from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+
+    world = 4
+    server = coordinator_factory(world)
+
+    def joiner(rank: int, incarnation: int = 0) -> pb.Joiner:
+        return pb.Joiner(rank=rank, incarnation=incarnation or 1000 + rank, hostname=f"host-{rank}")
+
+    def aggregate(first: int, *others: pb.Joiner, wait_s: float = 0.3, **fields) -> pb.JoinRequest:
+        return pb.JoinRequest(**{"job_id": "default", "rank": first, "world_size": world, "incarnation": 1000 + first,
+                                 "hostname": f"host-{first}", "wait_s": wait_s, **fields}, also=list(others))
+
+    def refused(request: pb.JoinRequest, code: grpc.StatusCode, words: str) -> None:
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Join(request, timeout=10)
+        assert caught.value.code() == code and words in caught.value.details(), \
+            (caught.value.code(), caught.value.details())
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        refused(aggregate(0, joiner(1), generation=2), grpc.StatusCode.INVALID_ARGUMENT, "only a first join")
+        refused(aggregate(0, *[joiner(1)] * world), grpc.StatusCode.INVALID_ARGUMENT, "more ranks than the job's")
+        refused(aggregate(0, joiner(world + 2)), grpc.StatusCode.FAILED_PRECONDITION, "join each alone")
+        refused(aggregate(0, joiner(1), world_size=world + 1), grpc.StatusCode.FAILED_PRECONDITION, "join each alone")
+        # Ranks 0-2 in one aggregate wait, as one join, for rank 3, which the answer names.
+        refused(aggregate(0, joiner(1), joiner(2)), grpc.StatusCode.DEADLINE_EXCEEDED, "[3]")
+        assert sorted(server.state.members) == [0, 1, 2]
+        assert {r: m.hostname for r, m in server.state.members.items()} == {0: "host-0", 1: "host-1", 2: "host-2"}
+        assert not server.state.complete
+        late = _client(server, 3, world, timeout_s=20.0)
+        joined = threading.Thread(target=late.join)
+        joined.start()
+        answer = stub.Join(aggregate(0, joiner(1), joiner(2), wait_s=10.0), timeout=20)
+        joined.join(20)
+        assert not joined.is_alive() and late.generation == answer.generation and answer.world_size == world
+        assert server.state.complete and server.state.generation == answer.generation
+        # Every rank of the aggregate is its own member: a barrier of all four passes.
+        callers = [pb.Caller(job_id="default", rank=r, incarnation=1000 + r, generation=answer.generation)
+                   for r in range(3)]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(late.barrier, "all", timeout_s=20.0)
+            assert stub.Barrier(pb.BarrierRequest(caller=callers[0], name="all", seq=1, wait_s=10.0,
+                                                  also=callers[1:]), timeout=20).seq == 1
+            waiting.result(20)
+        # New processes for ranks 0 and 1 of the running job: only their own joins can wait for
+        # their predecessors' fate.
+        refused(pb.JoinRequest(job_id="default", rank=0, world_size=world, incarnation=7, wait_s=0.3,
+                               also=[joiner(1, incarnation=8)]), grpc.StatusCode.FAILED_PRECONDITION, "join each alone")
+    assert not server.state.failures and server.state.members[0].incarnation == 1000
+    late.leave()

@@ -94,7 +94,7 @@ def test_a_relay_sends_a_barrier_up_once_its_ranks_have_arrived(coordinator_fact
                                 per_rank_env={3: {"LATE_S": "0.2"}}).wait(90)
         assert_all_ok(results)
         assert relay.ranks_carried["barrier"] == world * n
-        # Why not exactly n: a barrier whose late rank comes more than BARRIER_HOLD_S after the
+        # Why not exactly n: a barrier whose late rank comes more than HOLD_S after the
         # first (a stalled machine) goes up in two.
         assert n <= relay.sent["barrier"] <= n + 2, dict(relay.sent)
         assert not server.state.failures
@@ -105,12 +105,12 @@ def test_a_relay_sends_a_barrier_up_once_its_ranks_have_arrived(coordinator_fact
 @pytest.mark.timeout(120)
 def test_a_rank_that_does_not_come_holds_its_siblings_arrivals_only_briefly(coordinator_factory):
     """Rank 3 reaches the first barrier 8 s after the others: the coordinator learns of ranks
-    0-2's arrival after the relay's hold (BARRIER_HOLD_S, 1 s), long before rank 3 comes, so
+    0-2's arrival after the relay's hold (HOLD_S, 1 s), long before rank 3 comes, so
     status names rank 3 alone as missing; then the barrier passes for all."""
-    from gridcomm._client.relay import BARRIER_HOLD_S
+    from gridcomm._client.relay import HOLD_S
     from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 
-    assert BARRIER_HOLD_S < 8.0 / 2
+    assert HOLD_S < 8.0 / 2
     world = 4
     server = coordinator_factory(world, token=TOKEN)
     relay = Relay(server.address, token=TOKEN).start()
@@ -346,6 +346,12 @@ def test_ranks_join_through_their_groups_relay_when_its_address_is_known(coordin
     # 4 leaders' own streams and 4 relays' streams upstream; no member dialled the coordinator.
     counts = wait_for(lambda: (c := session_streams(server))["Session"] >= 8 and c, "the streams to end", 20)
     assert counts == {"Session": 8, "Join": 0}, counts
+    # The members' joins reached the coordinator as aggregates: a relay holds its group's first
+    # joins for the rest of the group (at most HOLD_S), where each went up alone before (4
+    # leaders' joins + 28 members' = 32 messages).
+    metrics = server._servicer.metrics
+    assert metrics.ops["join"] >= 32 and metrics.messages["join"] <= (8 if not leaders_late else 20), \
+        (metrics.ops["join"], metrics.messages["join"])
     assert not server.state.failures
 
 

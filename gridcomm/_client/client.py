@@ -295,7 +295,7 @@ class CoordinatorClient:
                                                                      leader // fanin))[1]
         try:
             self.relay = Relay(self.target, token=settings.token, tls=self.tls, bind=local_address(self.host),
-                               port=port).start()
+                               port=port, ranks=range(leader + 1, min(leader + fanin, self.world_size))).start()
         except GridcommError as exc:
             # Its group then dials the coordinator directly: slower at scale, never wrong.
             log.warning("rank %d: hosts no relay for its group: %s", self.rank, exc)

@@ -6,10 +6,12 @@ token); the relay holds one Session stream to the coordinator and carries their 
 - the same barrier arrival (name, sequence number, generation) or get (key) of several ranks goes
   up as one operation naming them all (``also``), and its one answer goes back to each. A barrier's
   arrivals are held until every rank connected here that takes part in it has arrived (the barrier
-  cannot pass before they do, so holding delays nothing), or for at most ``BARRIER_HOLD_S``: the
+  cannot pass before they do, so holding delays nothing), or for at most ``HOLD_S``: the
   coordinator gets one message per relay and barrier, and a rank that does not come (hung, or
   slower than the hold) delays its siblings' arrivals at the coordinator by that much at most;
-- joins, sets and leaves go up one by one, batched into the stream's messages;
+- first joins go up the same way, as one join naming every rank (``JoinRequest.also``), held for
+  the relay's group (the ranks it was started for, when it knows them) as barriers are;
+- other joins, sets and leaves go up one by one, batched into the stream's messages;
 - a rank's heartbeat is answered by the relay itself (at its wait, or at once when the relay
   learns of a failure); the relay sends the coordinator one heartbeat for all its ranks every
   ``bound / 6``, with the age of each one's last heartbeat, so the coordinator judges every rank by
@@ -28,7 +30,7 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
@@ -52,10 +54,11 @@ _DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 #: Connections a relay accepts at once: its node's ranks (a few each) and room to spare.
 MAX_RELAY_CONNECTIONS = 4096
 
-#: The longest a barrier arrival waits at the relay for the rest of the relay's ranks before it
-#: goes up. Why bounded: what the coordinator knows of a barrier (`gridcomm status`, a barrier
-#: timeout's list of missing ranks) lags by this much for ranks whose sibling does not come.
-BARRIER_HOLD_S = 1.0
+#: The longest a barrier arrival (or a first join) waits at the relay for the rest of the relay's
+#: ranks before it goes up. Why bounded: what the coordinator knows of a barrier or a rendezvous
+#: (`gridcomm status`, the list of missing ranks a wait names) lags by this much for ranks whose
+#: sibling does not come.
+HOLD_S = 1.0
 
 #: Barriers a relay remembers having sent up (so that a repeated long poll is not held).
 _WENT_UP_KEPT = 256
@@ -67,6 +70,10 @@ _RANKS_PER_STREAM = 64
 
 def _group_key(kind: str, request: Any) -> tuple[Any, ...] | None:
     """What makes the same operation of several ranks one aggregate (None: it goes up alone)."""
+    if kind == "join":
+        if request.generation or request.recovery or request.relay_address:
+            return None  # a recovery, a replacement's or a relay host's join: its own answer
+        return ("join", request.job_id, request.world_size, request.wants_relay, request.relay_rank)
     if kind == "barrier":
         caller = request.caller
         return ("barrier", caller.job_id, caller.generation, request.name, request.seq, tuple(request.participants))
@@ -131,8 +138,14 @@ class Relay:
 
     def __init__(self, upstream: str, *, token: str | None = None, tls: _config.TlsFiles | None = None,
                  bind: str = "127.0.0.1", port: int = 0,
-                 heartbeat_timeout_s: float = _config.DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
+                 heartbeat_timeout_s: float = _config.DEFAULT_HEARTBEAT_TIMEOUT_S, ranks: Iterable[int] = ()) -> None:
         self.upstream = upstream
+        #: The ranks this relay serves, where its host knows them (a tree group): whom its first
+        #: joins wait for.
+        self._group = frozenset(ranks)
+        #: Those of them whose first join it has sent up (a join of one of them again is a long
+        #: poll repeated, which is not held).
+        self._joins_sent: set[int] = set()
         self._token = token.encode() if token is not None else None
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._tls = tls
@@ -299,7 +312,7 @@ class Relay:
             child.answer(pb.SessionResult(id=op.id, code=_INVALID, details=f"Session operation {op.id} names no operation."))
             return
         request = getattr(op, kind)
-        if kind in ("barrier", "get", "heartbeat"):
+        if kind in ("barrier", "get", "heartbeat", "join"):
             # Why: only the relay speaks for several ranks at once.
             request.ClearField("also")
         caller = getattr(request, "caller", None)
@@ -314,15 +327,16 @@ class Relay:
             return
         group = self._groups.get(key)
         if group is None:
-            # Why not a barrier this relay has sent up before: that is a long poll repeated, and
-            # the barrier may pass meanwhile; held, its answer would come late.
-            waiting = self._expected(key) if kind == "barrier" and key not in self._went_up else None
+            # Why not what this relay has sent up before (see _expected): that is a long poll
+            # repeated (or a late rank's arrival), and the barrier may pass (the rendezvous
+            # complete) meanwhile; held, its answer would come late.
+            waiting = self._expected(key, request)
             group = self._groups[key] = _Group([(child, op.id, op)], waiting, 0.0)
             if waiting is not None:
-                waiting.discard(request.caller.rank)
+                waiting.discard(request.rank if kind == "join" else request.caller.rank)
                 if waiting:
                     loop = asyncio.get_running_loop()
-                    group.due = loop.time() + BARRIER_HOLD_S
+                    group.due = loop.time() + HOLD_S
                     loop.call_at(group.due, self._hold_ended)
                     return
             self._wake_writer()
@@ -330,7 +344,7 @@ class Relay:
         group.route.append((child, op.id, op))
         waiting = group.waiting
         if waiting:
-            waiting.discard(request.caller.rank)
+            waiting.discard(request.rank if kind == "join" else request.caller.rank)
             if not waiting:
                 self._wake_writer()
 
@@ -353,9 +367,16 @@ class Relay:
                 del self._ranks[rank]
         child.ranks.clear()
 
-    def _expected(self, key: tuple[Any, ...]) -> set[int]:
-        """The ranks connected here that a barrier's arrivals wait for: those of its generation,
-        and among its participants when it names them."""
+    def _expected(self, key: tuple[Any, ...], request: Any) -> set[int] | None:
+        """Whom a group that ``request`` opens waits for (None: nobody; it goes up at the next
+        write). A barrier: the ranks connected here of its generation, among its participants when
+        it names them. A first join: the relay's ranks whose first join has not gone up yet."""
+        if key[0] == "join":
+            if not self._group or request.rank in self._joins_sent:
+                return None
+            return set(self._group - self._joins_sent)
+        if key[0] != "barrier" or key in self._went_up:
+            return None
         generation, participants = key[2], key[5]
         ranks = {rank for rank, (child, gen) in self._ranks.items() if gen == generation and not child.closed}
         if participants:
@@ -430,7 +451,9 @@ class Relay:
             del self._groups[key]
             route = group.route
             kind = key[0]
-            if kind == "barrier":
+            if kind == "join":
+                self._joins_sent.update(r[2].join.rank for r in route)
+            elif kind == "barrier":
                 self._went_up[key] = None
                 if len(self._went_up) > _WENT_UP_KEPT:
                     self._went_up.popitem(last=False)
@@ -441,7 +464,11 @@ class Relay:
             request = type(first)()
             request.CopyFrom(first)
             request.wait_s = min(getattr(r[2], kind).wait_s for r in route)
-            request.also.extend(getattr(r[2], kind).caller for r in route[1:])
+            if kind == "join":
+                request.also.extend(pb.Joiner(rank=r[2].join.rank, incarnation=r[2].join.incarnation,
+                                              hostname=r[2].join.hostname) for r in route[1:])
+            else:
+                request.also.extend(getattr(r[2], kind).caller for r in route[1:])
             self.aggregated += 1
             self._send(kind, request, route)
 

@@ -71,7 +71,7 @@ class CoordinatorMetrics:
         self.rpcs: collections.Counter[tuple[str, str]] = collections.Counter()
         #: join, set, get and leave operations (Session or unary), as they start (a group counts each member).
         self.ops: collections.Counter[str] = collections.Counter()
-        #: Barrier and get operations received, by kind: a relay's aggregate counts once (so
+        #: Join, barrier, get and heartbeat operations received, by kind: a relay's aggregate counts once (so
         #: ops / messages is how many ranks the relays fold into each).
         self.messages: collections.Counter[str] = collections.Counter()
         #: Session operations answered with an error, by (kind, status code name).
@@ -327,7 +327,7 @@ class _Collector:
         for kind, count in sorted(snap.ops.items()):
             ops.add_metric([kind], count)
         yield ops
-        messages = CounterMetricFamily("gridcomm_messages", "Barrier and get operations received, by kind: a relay's "
+        messages = CounterMetricFamily("gridcomm_messages", "Join, barrier, get and heartbeat operations received, by kind: a relay's "
                                        "aggregate for its ranks counts once.", labels=["op"])
         for kind, count in sorted(snap.messages.items()):
             messages.add_metric([kind], count)

@@ -293,6 +293,9 @@ class Servicer:
     # ------------------------------------------------------------------ operations
     async def join(self, request: pb.JoinRequest, deadline: float | None) -> pb.JoinResponse:
         state = self._state
+        self.metrics.messages["join"] += 1
+        if request.also:
+            return await self._join_aggregate(request, deadline)
         self.metrics.ops["join"] += 1
         if request.recovery not in _MODES:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"join of rank {request.rank}: unknown recovery "
@@ -309,15 +312,7 @@ class Servicer:
         if not completed and state.refuses_waiting_replacements():
             self._wake(("join",))  # replacements that wait learn that they are not admitted
         if completed:
-            if state.generation == 1:
-                log.info("coordinator: all %d ranks joined; generation %d", state.world_size,
-                         shown_generation(state.generation))
-            else:
-                log.warning("coordinator: generation %d formed by %s(): ranks %s", shown_generation(state.generation),
-                            state.recovered_from[1], bounded(list(state.active)))
-                self.metrics.recovered(state.generation)
-                self._owner.set_serving(True)
-            self._wake(("join",))
+            self._formed()
         answer = state.join_answer(request.rank, request.incarnation, base)
         if answer == "joined":
             return self._joined(request)
@@ -332,6 +327,77 @@ class Servicer:
         if not ok:
             raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, *self._join_wait_answer())
         return self._joined(request)
+
+    async def _join_aggregate(self, request: pb.JoinRequest, deadline: float | None) -> pb.JoinResponse:
+        """A relay's aggregate of first joins (``also``): each rank is registered as its own join
+        would register it, and one wait and one answer serve them all. What only a join of its
+        own handles (a rank whose previous process still looks alive, a process admitted into a
+        running job, a rank replaced while it waits, a refusal) is answered with a status that
+        makes the relay repeat each join alone: every rank then gets its own join's answer.
+        Registering is idempotent (a process's join repeated is the same join), so what this one
+        registered before it stopped stands."""
+        state = self._state
+        joiners = [(request.rank, request.incarnation, request.hostname)]
+        joiners.extend((j.rank, j.incarnation, j.hostname) for j in request.also)
+        what = f"an aggregated join of {len(joiners)} ranks (rank {request.rank} first)"
+        if len(joiners) > max(1, state.world_size):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} names more ranks than the job's {state.world_size}.")
+        if request.generation or request.recovery != pb.RECOVERY_NONE or request.relay_address:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: only a first join (generation 0, no recovery, no "
+                        "relay address) is aggregated; send the others alone.")
+        self.metrics.ops["join"] += len(joiners)
+        now = self._now()
+        completed = False
+        for rank, incarnation, hostname in joiners:
+            try:
+                completed = state.join(request.job_id, rank, request.world_size, incarnation, hostname, now) or completed
+            except StateError as exc:
+                # Why not its own status: a DEADLINE_EXCEEDED would reach every rank of the
+                # aggregate as theirs; FAILED_PRECONDITION makes the relay repeat each alone.
+                raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"{what}: rank {rank}'s join is refused ({exc.message}); join each alone.") from None
+        if completed:
+            self._formed()
+        answers = {state.join_answer(rank, incarnation, 0) for rank, incarnation, _ in joiners}
+        if answers - {"joined", "rendezvous"} or len(answers) > 1:
+            raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"{what}: a rank of it is admitted into a running job; "
+                        "join each alone.")
+        members = [state.members[rank] for rank, _, _ in joiners]
+        if answers == {"rendezvous"}:
+            for member in members:
+                state.call_started(member)  # each waits, as its own join would (not taken for a dead joiner)
+            try:
+                ok = await self._wait(("join",), lambda: state.complete, request.wait_s, deadline, what)
+            except asyncio.CancelledError:
+                for rank, incarnation, _ in joiners:
+                    state.join_abandoned(rank, incarnation, self._now())  # its relay's stream dropped
+                raise
+            finally:
+                ended = self._now()
+                for member in members:
+                    state.call_ended(member, ended)
+            if not all(state.is_current(member) for member in members):
+                raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"{what}: a rank of it was replaced by a newer "
+                            "process while joining; join each alone.")
+            if not ok:
+                raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, *self._join_wait_answer())
+        answered, lag = self._now(), self.lag.total_s
+        for member in members:
+            state.answered(member, answered, lag)
+        return self._response(request)
+
+    def _formed(self) -> None:
+        """A join completed the rendezvous or a recovery: says so and wakes every waiting join."""
+        state = self._state
+        if state.generation == 1:
+            log.info("coordinator: all %d ranks joined; generation %d", state.world_size,
+                     shown_generation(state.generation))
+        else:
+            log.warning("coordinator: generation %d formed by %s(): ranks %s", shown_generation(state.generation),
+                        state.recovered_from[1], bounded(list(state.active)))
+            self.metrics.recovered(state.generation)
+            self._owner.set_serving(True)
+        self._wake(("join",))
 
     def _join_wait_answer(self) -> tuple[str, tuple[tuple[str, str], ...]]:
         """What a join slice that ends before the rendezvous completes answers: who is missing.
@@ -364,6 +430,10 @@ class Servicer:
         member = state.members.get(request.rank)
         if member is not None:
             state.answered(member, self._now(), self.lag.total_s)
+        return self._response(request)
+
+    def _response(self, request: pb.JoinRequest) -> pb.JoinResponse:
+        state = self._state
         # Members are not sent: O(world size) per join is O(world size^2) per rendezvous; Status
         # lists them for who needs them. A shrunk generation names its job ranks.
         active = state.active
@@ -529,6 +599,7 @@ class Servicer:
         """Long-poll: answered after wait_s, or as soon as a rank fails that the caller's process
         was not yet told of, with every failure of the generation. Held in every phase (also
         while the generation is failed), so a caller's death always ends a call in flight."""
+        self.metrics.messages["heartbeat"] += 1
         if request.relayed:
             return await self._relayed_heartbeat(request, deadline)
         state = self._state

@@ -100,7 +100,7 @@ class Progress(_message.Message):
     def __init__(self, communicator: _Optional[str] = ..., entered: _Optional[int] = ..., kind: _Optional[str] = ..., age_s: _Optional[float] = ..., inside: bool = ..., rank: _Optional[int] = ..., recent: _Optional[_Iterable[str]] = ..., completed: _Optional[int] = ..., gpu_wait_s: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "incarnation", "hostname", "wait_s", "generation", "recovery", "relay_address", "wants_relay", "relay_rank")
+    __slots__ = ("job_id", "rank", "world_size", "incarnation", "hostname", "wait_s", "generation", "recovery", "relay_address", "wants_relay", "relay_rank", "also")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class JoinRequest(_message.Message):
     RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WANTS_RELAY_FIELD_NUMBER: _ClassVar[int]
     RELAY_RANK_FIELD_NUMBER: _ClassVar[int]
+    ALSO_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -123,7 +124,18 @@ class JoinRequest(_message.Message):
     relay_address: str
     wants_relay: bool
     relay_rank: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., hostname: _Optional[str] = ..., wait_s: _Optional[float] = ..., generation: _Optional[int] = ..., recovery: _Optional[_Union[Recovery, str]] = ..., relay_address: _Optional[str] = ..., wants_relay: bool = ..., relay_rank: _Optional[int] = ...) -> None: ...
+    also: _containers.RepeatedCompositeFieldContainer[Joiner]
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., hostname: _Optional[str] = ..., wait_s: _Optional[float] = ..., generation: _Optional[int] = ..., recovery: _Optional[_Union[Recovery, str]] = ..., relay_address: _Optional[str] = ..., wants_relay: bool = ..., relay_rank: _Optional[int] = ..., also: _Optional[_Iterable[_Union[Joiner, _Mapping]]] = ...) -> None: ...
+
+class Joiner(_message.Message):
+    __slots__ = ("rank", "incarnation", "hostname")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    incarnation: int
+    hostname: str
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("generation", "world_size", "members", "heartbeat_timeout_s", "member_ranks", "relay_address")
