@@ -120,10 +120,12 @@ _Route = list[tuple[_Child, int, pb.SessionOp]]
 class _Group:
     """The same operation of several ranks, gathered until it goes up as one aggregate."""
 
-    __slots__ = ("route", "waiting", "due")
+    __slots__ = ("route", "waiting", "due", "opened")
 
-    def __init__(self, route: _Route, waiting: set[int] | None, due: float) -> None:
+    def __init__(self, route: _Route, waiting: set[int] | None, due: float, opened: float) -> None:
         self.route = route
+        #: Loop time of its first operation's arrival.
+        self.opened = opened
         #: A barrier's: the ranks connected here that take part in it and have not arrived
         #: (None: it goes up at the next write).
         self.waiting = waiting
@@ -331,12 +333,12 @@ class Relay:
             # repeated (or a late rank's arrival), and the barrier may pass (the rendezvous
             # complete) meanwhile; held, its answer would come late.
             waiting = self._expected(key, request)
-            group = self._groups[key] = _Group([(child, op.id, op)], waiting, 0.0)
+            loop = asyncio.get_running_loop()
+            group = self._groups[key] = _Group([(child, op.id, op)], waiting, 0.0, loop.time())
             if waiting is not None:
                 waiting.discard(request.rank if kind == "join" else request.caller.rank)
                 if waiting:
-                    loop = asyncio.get_running_loop()
-                    group.due = loop.time() + HOLD_S
+                    group.due = group.opened + HOLD_S
                     loop.call_at(group.due, self._hold_ended)
                     return
             self._wake_writer()
@@ -458,12 +460,18 @@ class Relay:
                 if len(self._went_up) > _WENT_UP_KEPT:
                     self._went_up.popitem(last=False)
             first = getattr(route[0][2], kind)
-            if len(route) == 1:
+            held = now - group.opened
+            if len(route) == 1 and held < 0.01:
                 self._send(kind, first, route)
                 continue
             request = type(first)()
             request.CopyFrom(first)
-            request.wait_s = min(getattr(r[2], kind).wait_s for r in route)
+            # Why less the time held: a rank's wait counts from when it asked (its call's deadline
+            # is its wait plus a second of slack), not from when the relay sent it up.
+            request.wait_s = max(0.0, min(getattr(r[2], kind).wait_s for r in route) - held)
+            if len(route) == 1:
+                self._send(kind, request, route)
+                continue
             if kind == "join":
                 request.also.extend(pb.Joiner(rank=r[2].join.rank, incarnation=r[2].join.incarnation,
                                               hostname=r[2].join.hostname) for r in route[1:])
