@@ -234,10 +234,11 @@ async def _start(server: grpc.aio.Server) -> asyncio.Future[Any] | None:
     private name: grpcio says nothing public when its loop dies."""
     before = asyncio.all_tasks()
     await server.start()
-    for task in asyncio.all_tasks() - before:
-        if getattr(task.get_coro(), "__qualname__", "").endswith("_server_main_loop"):
-            return task
-    return None
+    found = [task for task in asyncio.all_tasks() - before
+             if getattr(task.get_coro(), "__qualname__", "").endswith("_server_main_loop")]
+    # Why not the first of several: another server started on this loop meanwhile, and which
+    # task is whose cannot be told; polling is right for either.
+    return found[0] if len(found) == 1 else None
 
 
 def bind_problem(target: str) -> str | None:
