@@ -83,6 +83,11 @@ def _group_key(kind: str, request: Any) -> tuple[Any, ...] | None:
     return None
 
 
+def _rank_of(kind: str, request: Any) -> int:
+    """The rank an operation that can be aggregated is made by."""
+    return int(request.rank) if kind == "join" else int(request.caller.rank)
+
+
 class _Child:
     """One rank's Session stream to this relay: results are written back in batches."""
 
@@ -120,17 +125,15 @@ _Route = list[tuple[_Child, int, pb.SessionOp]]
 class _Group:
     """The same operation of several ranks, gathered until it goes up as one aggregate."""
 
-    __slots__ = ("route", "waiting", "due", "opened")
+    __slots__ = ("route", "waiting", "opened")
 
-    def __init__(self, route: _Route, waiting: set[int] | None, due: float, opened: float) -> None:
+    def __init__(self, route: _Route, waiting: set[int] | None, opened: float) -> None:
         self.route = route
         #: Loop time of its first operation's arrival.
         self.opened = opened
-        #: A barrier's: the ranks connected here that take part in it and have not arrived
-        #: (None: it goes up at the next write).
+        #: Whom it waits for that has not arrived (None or empty: it goes up at the next write);
+        #: it goes up at ``opened + HOLD_S`` whoever is missing.
         self.waiting = waiting
-        #: Loop time by which it goes up whoever is missing.
-        self.due = due
 
 
 class Relay:
@@ -180,13 +183,17 @@ class Relay:
         self._latest = pb.HeartbeatResponse()
         self._beat_task: asyncio.Task[None] | None = None
         self._stopped = False
-        #: Operations carried upstream, and how many of them were aggregates of several ranks.
-        self.carried = 0
+        #: How many operations carried upstream were aggregates of several ranks.
         self.aggregated = 0
         #: Rank operations carried upstream, by kind (an aggregate counts each rank it names).
         self.ranks_carried: collections.Counter[str] = collections.Counter()
         #: Operations sent upstream, by kind (an aggregate counts once).
         self.sent: collections.Counter[str] = collections.Counter()
+
+    @property
+    def carried(self) -> int:
+        """Operations carried upstream (an aggregate counts once)."""
+        return sum(self.sent.values())
 
     @property
     def target(self) -> str:
@@ -334,19 +341,18 @@ class Relay:
             # complete) meanwhile; held, its answer would come late.
             waiting = self._expected(key, request)
             loop = asyncio.get_running_loop()
-            group = self._groups[key] = _Group([(child, op.id, op)], waiting, 0.0, loop.time())
+            group = self._groups[key] = _Group([(child, op.id, op)], waiting, loop.time())
             if waiting is not None:
-                waiting.discard(request.rank if kind == "join" else request.caller.rank)
+                waiting.discard(_rank_of(kind, request))
                 if waiting:
-                    group.due = group.opened + HOLD_S
-                    loop.call_at(group.due, self._hold_ended)
+                    loop.call_at(group.opened + HOLD_S, self._hold_ended)
                     return
             self._wake_writer()
             return
         group.route.append((child, op.id, op))
         waiting = group.waiting
         if waiting:
-            waiting.discard(request.rank if kind == "join" else request.caller.rank)
+            waiting.discard(_rank_of(kind, request))
             if not waiting:
                 self._wake_writer()
 
@@ -429,7 +435,6 @@ class Relay:
         op_id = self._next_id
         self._routes[op_id] = (kind, route, done)
         self._outbox.append(pb.SessionOp(id=op_id, **{kind: request}))
-        self.carried += 1
         self.sent[kind] += 1
         self.ranks_carried[kind] += len(route)
         self._wake_writer()
@@ -448,7 +453,7 @@ class Relay:
             return
         now = asyncio.get_running_loop().time()
         for key, group in list(self._groups.items()):
-            if group.waiting and group.due > now:
+            if group.waiting and group.opened + HOLD_S > now:
                 continue
             del self._groups[key]
             route = group.route
