@@ -480,6 +480,7 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
             os.close(read_end)
         opened: dict[str, float] = {}
         phase_cpu: dict[str, float] = {}  # the server's CPU seconds when each phase opened
+        idle_end_cpu_s = 0.0  # the server's CPU seconds at the end of the idle period
         latest: dict[str, float] = {}
         woke: dict[str, float] = {}
         counts = dict.fromkeys(PHASES, 0)
@@ -528,6 +529,7 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
                     "t1": round(phase_cpu["t2"] - phase_cpu["t1"], 3),
                     "barriers": round(end["cpu_s"] - phase_cpu["t2"], 3)}
                 # Idle: every client connected and heartbeating, nothing else: liveness's own cost.
+                idle_end_cpu_s = idle["cpu_s"]
                 result.update(server_peak_mb=idle["hwm_mb"], server_cpu_s=end["cpu_s"] - base["cpu_s"],
                               idle_growth_mb=idle["rss_mb"] - end["rss_mb"], idle_s=idle_s,
                               server_idle_cpu_s=round(idle["cpu_s"] - end["cpu_s"], 3))
@@ -559,6 +561,8 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
                 if msg[0] == "error":
                     close_errors.append(msg[1:])
             result["close_errors"] = len(close_errors)
+            # The job's end: every rank leaves (and closes its connection) at once.
+            result["server_close_cpu_s"] = round(proc_stats(server.pid)["cpu_s"] - idle_end_cpu_s, 3)
             if close_errors:
                 result["close_error"] = close_errors[0][2]
     finally:

@@ -5,6 +5,7 @@ import this, never the server's."""
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -93,6 +94,21 @@ def decoder(message_type: Any) -> Callable[[bytes], Any]:
             return UNDECODABLE
 
     return parse
+
+
+def progress_said(progress: Iterable[Any]) -> tuple[tuple[str, int, str, bool, int], ...] | None:
+    """What a heartbeat's progress entries say, in a form compared with the rank's last report:
+    every count, kind and flag, not the ages (which only grow). None when an entry carries what
+    only a full report handles: fingerprints, a pending GPU sample, or an age that is not a
+    finite number >= 0. The coordinator compares it to refresh a repeated report; a relay, to
+    leave out the entries it already reported."""
+    said = []
+    for p in progress:
+        age = p.age_s
+        if p.recent or p.gpu_wait_s != 0.0 or not 0.0 <= age < math.inf:
+            return None
+        said.append((p.communicator, p.entered, p.kind, p.inside, p.completed))
+    return tuple(said)
 
 
 def ranks_text(ranks: Iterable[int], limit: int = 2048) -> str:

@@ -589,6 +589,71 @@ def test_a_heartbeat_that_repeats_its_progress_refreshes_it_and_a_bad_age_is_sti
 
 
 @pytest.mark.timeout(60)
+def test_a_relayed_heartbeat_stands_for_repeated_progress_asks_again_for_what_it_lacks_and_refuses_bad_arrays(
+        coordinator_factory):
+    """A relay's heartbeat names its ranks in packed arrays and flags each rank whose progress is
+    what it reported before. The coordinator refreshes the report it holds for a flagged rank,
+    names in progress_resend each flagged rank it holds none for (never reported, or its last
+    report refused), skips a rank of another process, and refuses arrays that do not line up or
+    another job's heartbeat, whole, with a readable status."""
+    from gridcomm._proto import coordinator_pb2 as pb
+    from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+
+    world = 4
+    server = coordinator_factory(world)
+    clients = _joined(server, world)
+    callers = [c.caller for c in clients]
+    generation = callers[0].generation
+
+    def entry(rank: int, communicator: str = "world") -> pb.Progress:
+        return pb.Progress(communicator=communicator, entered=7, kind="barrier", age_s=0.5, inside=True, rank=rank)
+
+    def beat(ranks, same=(), progress=(), incarnations=None, **fields) -> pb.HeartbeatResponse:
+        request = pb.HeartbeatRequest(
+            caller=fields.pop("caller", callers[0]), wait_s=0.0, relayed=True, also_ranks=ranks,
+            also_incarnations=incarnations or [callers[r].incarnation for r in ranks],
+            also_generations=[generation] * len(ranks), also_age_s=[0.1] * len(ranks),
+            also_progress_same=same, progress=progress)
+        for name, value in fields.items():
+            getattr(request, name)[:] = value
+        return stub.Heartbeat(request, timeout=10)
+
+    progress = server.state.progress
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        assert sorted(beat([1, 2], same=[True, True]).progress_resend) == [1, 2]  # nothing reported yet
+        assert not beat([1, 2], progress=[entry(1), entry(2)]).progress_resend
+        world_ranks = progress.communicators["world"].ranks
+        first = {r: world_ranks[r].reported_at for r in (1, 2)}
+        time.sleep(0.05)
+        assert list(beat([1, 3], same=[True, True]).progress_resend) == [3]
+        assert world_ranks[1].reported_at > first[1] and world_ranks[1].entered == 7 and world_ranks[1].inside
+        assert world_ranks[2].reported_at == first[2]  # not named: not refreshed
+        # Rank 2's process as another incarnation: skipped (neither refreshed nor asked again).
+        stranger = beat([2], same=[True], incarnations=[callers[2].incarnation + 1])
+        assert not stranger.progress_resend and world_ranks[2].reported_at == first[2]
+        # A refused report (an empty communicator name) leaves nothing a flag could stand for.
+        beat([1], progress=[entry(1, communicator="")])
+        assert list(beat([1], same=[True]).progress_resend) == [1]
+        for what, fields in (("ages", {"also_age_s": [0.1]}), ("processes", {"also_incarnations": [5]}),
+                             ("progress flags", {"also_progress_same": [True]})):
+            with pytest.raises(grpc.RpcError) as caught:
+                beat([1, 2], **fields)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and what in caught.value.details(), \
+                caught.value.details()
+        other = pb.Caller()
+        other.CopyFrom(callers[0])
+        other.job_id = "someone-else"
+        with pytest.raises(grpc.RpcError) as caught:
+            beat([1], caller=other)
+        assert caught.value.code() != grpc.StatusCode.UNKNOWN and "someone-else" in caught.value.details(), \
+            caught.value.details()
+    assert not server.state.failures
+    for c in clients:
+        c.leave()
+
+
+@pytest.mark.timeout(60)
 def test_an_aggregated_join_registers_each_rank_and_sends_back_what_a_join_of_its_own_must_answer(coordinator_factory):
     """A relay's aggregate of first joins (``JoinRequest.also``): one wait and one answer for all
     its ranks, each registered as its own join would be. What only a join of its own can answer

@@ -186,6 +186,60 @@ def test_a_rank_killed_behind_a_relay_is_named_within_the_bound(coordinator_fact
         relay.stop()
 
 
+COMMUNICATOR_RANK = """
+import json, os, time, numpy as np, gridcomm
+comm = gridcomm.init_process_group(backend="host", timeout_s=60)
+x = np.ones(4)
+for _ in range(3):
+    comm.all_reduce(x, x)
+print("IDLE", flush=True)
+time.sleep(float(os.environ["IDLE_S"]))  # between collectives: every heartbeat repeats its progress
+comm.all_reduce(x, x)
+comm.barrier("end")
+print(json.dumps({"ok": True}), flush=True)
+comm.stop()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_relay_sends_progress_that_did_not_change_as_a_flag_and_the_coordinator_keeps_it_fresh(
+        coordinator_factory):
+    """Ranks with a communicator idle between collectives: each heartbeat repeats its progress.
+    The relay sends those entries up once, then only says they are the same; the coordinator
+    keeps the report it has and dates it afresh (what a stall's naming reads), and nobody fails."""
+    world, bound = 3, 3.0
+    server = coordinator_factory(world, token=TOKEN, heartbeat_timeout_s=bound)
+    relay = Relay(server.address, token=TOKEN, heartbeat_timeout_s=bound).start()
+    ranks = RankProcesses(COMMUNICATOR_RANK, world, env=env_for(
+        server, relay.target, IDLE_S="6", GRIDCOMM_COORDINATOR="external", GRIDCOMM_HEARTBEAT_TIMEOUT_S=f"{bound:g}",
+        GRIDCOMM_BACKEND="host"))
+    try:
+        progress = server.state.progress
+
+        def reports() -> dict[int, tuple[int, float]] | None:
+            comm = progress.communicators.get("world")
+            if comm is None or len(comm.ranks) < world or relay.progress_same < 2 * world:
+                return None
+            return {r: (e.entered, e.reported_at) for r, e in comm.ranks.items()}
+
+        before = wait_for(reports, "repeated progress sent up as a flag", 60)
+        sent, same = relay.progress_sent, relay.progress_same
+        after = wait_for(lambda: (lambda now: now if now and all(now[r][1] > before[r][1] for r in now) else None)(
+            reports()), "the coordinator dating the repeated reports afresh", 4 * bound)
+        # The counts are the ones the ranks last reported in full, not lost.
+        assert all(after[r][0] == before[r][0] >= 3 for r in after), (before, after)
+        wait_for(lambda: relay.progress_same >= same + 3 * world, "three more heartbeats of flags", 4 * bound)
+        # At most one report per rank in full meanwhile (a rank whose last heartbeat before the
+        # window still said it was inside its third all_reduce).
+        assert relay.progress_sent - sent <= world, (sent, relay.progress_sent)
+        results = ranks.wait(60)
+        assert_all_ok(results)
+        assert not server.state.failures
+    finally:
+        ranks.close()
+        relay.stop()
+
+
 RELAY_PROCESS = """
 import sys, time, gridcomm
 from gridcomm._client.relay import Relay

@@ -30,7 +30,7 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import grpc
@@ -42,7 +42,7 @@ from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._runtime import loop as _eventloop
 from gridcomm._runtime.guard import GuardedServer, control_server_options, token_problem
-from gridcomm._wire import SERVICE_NAME, UNDECODABLE, decoder
+from gridcomm._wire import SERVICE_NAME, UNDECODABLE, decoder, progress_said
 
 log = logging.getLogger(__name__)
 
@@ -176,8 +176,16 @@ class Relay:
         #: rank -> (its latest caller, when its last heartbeat arrived (loop time), and the
         #: background loop's lag then: lag after it is left out of the age the relay reports)
         self._beats: dict[int, tuple[pb.Caller, float, float]] = {}
-        #: rank -> its last heartbeat's progress entries (their ages as of that heartbeat's arrival).
+        #: rank -> its last heartbeat's progress entries (their ages as of that heartbeat's arrival),
+        #: and what they say (gridcomm._wire.progress_said; None: they go up in full every time).
         self._progress: dict[int, list[pb.Progress]] = {}
+        self._progress_said: dict[int, Hashable | None] = {}
+        #: rank -> (generation, what its entries said) as this relay last reported them in a
+        #: heartbeat the coordinator answered: while they say the same, they go up as a flag.
+        self._progress_up: dict[int, tuple[int, Hashable]] = {}
+        #: Progress entries sent up in full, and ranks whose progress went up as the same.
+        self.progress_sent = 0
+        self.progress_same = 0
         self._beat_waiters: set[asyncio.Future[None]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._latest = pb.HeartbeatResponse()
@@ -321,8 +329,9 @@ class Relay:
             child.answer(pb.SessionResult(id=op.id, code=_INVALID, details=f"Session operation {op.id} names no operation."))
             return
         request = getattr(op, kind)
-        if kind in ("barrier", "get", "heartbeat", "join"):
-            # Why: only the relay speaks for several ranks at once.
+        if kind in ("barrier", "get", "join"):
+            # Why: only the relay speaks for several ranks at once (a rank's heartbeat: the relay
+            # reads only its caller and progress).
             request.ClearField("also")
         caller = getattr(request, "caller", None)
         if caller is not None:
@@ -396,9 +405,11 @@ class Relay:
         loop = asyncio.get_running_loop()
         self._beats[request.caller.rank] = (request.caller, loop.time(), _eventloop.lag_s())
         if request.progress:
-            self._progress[request.caller.rank] = list(request.progress[:64])
+            entries = self._progress[request.caller.rank] = list(request.progress[:64])
+            self._progress_said[request.caller.rank] = progress_said(entries)
         else:
             self._progress.pop(request.caller.rank, None)
+            self._progress_said.pop(request.caller.rank, None)
 
         async def answer() -> None:
             if not self._latest.failures:
@@ -531,6 +542,8 @@ class Relay:
                 rank = op.leave.caller.rank
                 self._beats.pop(rank, None)
                 self._progress.pop(rank, None)
+                self._progress_said.pop(rank, None)
+                self._progress_up.pop(rank, None)
                 noted = self._ranks.get(rank)
                 if noted is not None and noted[0] is child:
                     del self._ranks[rank]
@@ -586,17 +599,35 @@ class Relay:
             # Why the lag is left out: this process's loop (the relay's, and in a node agent or a
             # simulation its ranks' too) ran behind, which is not the ranks' silence.
             ages = [max(0.0, (now - t) - (lag - at)) for _, t, at in beats]
-            request = pb.HeartbeatRequest(caller=beats[0][0], wait_s=period, relayed=True,
-                                          also=[c for c, _, _ in beats], also_age_s=ages)
+            same: list[bool] = []
+            full: dict[int, tuple[int, Hashable]] = {}
+            request = pb.HeartbeatRequest(caller=beats[0][0], wait_s=period, relayed=True, also_age_s=ages,
+                                          also_ranks=[c.rank for c, _, _ in beats],
+                                          also_incarnations=[c.incarnation for c, _, _ in beats],
+                                          also_generations=[c.generation for c, _, _ in beats])
             for (caller, _, _), age in zip(beats, ages, strict=True):
-                for entry in self._progress.get(caller.rank, ()):
+                rank = caller.rank
+                entries = self._progress.get(rank)
+                said = self._progress_said.get(rank) if entries else None
+                key = (caller.generation, said)
+                if said is not None and self._progress_up.get(rank) == key:
+                    same.append(True)
+                    continue
+                same.append(False)
+                if said is not None:
+                    full[rank] = key
+                for entry in entries or ():
                     # Why the age added: the coordinator dates the entry from this message's arrival.
                     relayed = request.progress.add()
                     relayed.CopyFrom(entry)
-                    relayed.rank = caller.rank
+                    relayed.rank = rank
                     relayed.age_s = entry.age_s + age if entry.age_s == entry.age_s else 0.0
                     if entry.gpu_wait_s > 0:
                         relayed.gpu_wait_s = entry.gpu_wait_s + age
+            if any(same):
+                request.also_progress_same.extend(same)
+            self.progress_sent += len(request.progress)
+            self.progress_same += sum(same)
             answered: asyncio.Future[pb.SessionResult] = loop.create_future()
 
             def done(result: pb.SessionResult, answered: asyncio.Future[pb.SessionResult] = answered) -> None:
@@ -607,12 +638,19 @@ class Relay:
             try:
                 result = await asyncio.wait_for(answered, period + max(1.0, self.heartbeat_timeout_s / 2))
             except asyncio.TimeoutError:
+                self._progress_up.clear()  # whether the coordinator read it is unknown: all in full
                 continue
             if result.code:
+                self._progress_up.clear()
                 (log.debug if result.code == _UNAVAILABLE else log.warning)(
                     "relay %s: the coordinator refused its heartbeat: %s", self.target, result.details)
                 await asyncio.sleep(period)
                 continue
+            self._progress_up.update(full)
+            if result.heartbeat.progress_resend:
+                for rank in result.heartbeat.progress_resend:
+                    self._progress_up.pop(rank, None)
+                result.heartbeat.ClearField("progress_resend")  # the ranks' answers carry the rest
             self._latest = result.heartbeat
             if result.heartbeat.failures:
                 waiters, self._beat_waiters = self._beat_waiters, set()

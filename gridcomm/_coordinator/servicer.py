@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -28,6 +28,7 @@ from gridcomm._coordinator.state import (
     SHRINK,
     JobState,
     Member,
+    MemberState,
     StateError,
     process_tag,
     quote,
@@ -37,7 +38,7 @@ from gridcomm._coordinator.state.progress import Entry, check_entry
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._runtime.guard import token_problem
 from gridcomm._runtime.lag import LagMeter
-from gridcomm._wire import CHUNK_BYTES, FAILED_KEY, MISSING_KEY, ranks_text, shown_generation
+from gridcomm._wire import CHUNK_BYTES, FAILED_KEY, MISSING_KEY, progress_said, ranks_text, shown_generation
 
 log = logging.getLogger(__name__)
 
@@ -262,18 +263,8 @@ class Servicer:
                 self.metrics.hangs[cause] += 1
             self._on_failure()
 
-    @staticmethod
-    def _said(progress: Any) -> tuple[tuple[str, int, str, bool, int], ...] | None:
-        """What a heartbeat's progress entries say, in a form compared with the rank's last report
-        (see Progress.unchanged); None when an entry carries what only the full check and report
-        handle: fingerprints, a pending GPU sample, or an age that is not a finite number >= 0."""
-        said = []
-        for p in progress:
-            age = p.age_s
-            if p.recent or p.gpu_wait_s != 0.0 or not 0.0 <= age < math.inf:
-                return None
-            said.append((p.communicator, p.entered, p.kind, p.inside, p.completed))
-        return tuple(said)
+    #: What a heartbeat's progress entries say (see gridcomm._wire.progress_said).
+    _said = staticmethod(progress_said)
 
     @staticmethod
     def _entries(progress: Any, what: str) -> list[Entry]:
@@ -646,46 +637,71 @@ class Servicer:
         """A relay's heartbeat for the ranks it serves, each with the age of its last heartbeat at
         the relay. A rank the state refuses (failed, left, replaced) is skipped: the answer's
         failures say what the relay needs to know. A relay's call that drops fails nobody: its
-        ranks fail over, and each is judged by its own heartbeats."""
+        ranks fail over, and each is judged by its own heartbeats.
+
+        Why packed arrays and a flag for a repeated progress report: this runs for every rank of
+        every relay every bound / 6, and a rank between collectives reports the same progress
+        each time; parsing a Caller and comparing the entries cost ~7 us per rank."""
         state = self._state
-        ages = request.also_age_s
-        if len(request.also) != len(ages) or len(request.also) > state.world_size:
+        ranks, incarnations, generations = request.also_ranks, request.also_incarnations, request.also_generations
+        ages, same = request.also_age_s, request.also_progress_same
+        count = len(ranks)
+        if not (len(incarnations) == len(generations) == len(ages) == count) or len(same) not in (0, count) \
+                or count > state.world_size:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"a relayed heartbeat names {len(request.also)} ranks and {len(ages)} ages "
-                        f"(the job has {state.world_size} ranks).")
+                        f"a relayed heartbeat names {count} ranks with {len(incarnations)} processes, "
+                        f"{len(generations)} generations, {len(ages)} ages and {len(same)} progress flags "
+                        f"(one each; the job has {state.world_size} ranks).")
+        job_id = request.caller.job_id
+        if job_id != state.job_id:
+            state.check_caller(job_id, request.caller.rank, request.caller.incarnation, request.caller.generation,
+                               "heartbeat", any_generation=True)  # raises: another job's relay
+        if len(request.progress) > MAX_PROGRESS_ENTRIES * count:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"a relayed heartbeat reports {len(request.progress)} progress entries for {count} ranks "
+                        f"(at most {MAX_PROGRESS_ENTRIES} each).")
         now, lag = self._now(), self.lag.total_s
         bound = self._owner.heartbeat_timeout_s
-        self.metrics.ops["heartbeat"] += len(ages)
-        if len(request.progress) > MAX_PROGRESS_ENTRIES * len(ages):
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"a relayed heartbeat reports {len(request.progress)} progress entries for {len(ages)} ranks "
-                        f"(at most {MAX_PROGRESS_ENTRIES} each).")
+        self.metrics.ops["heartbeat"] += count
         progress: dict[int, list[Any]] = {}
         for p in request.progress:
             progress.setdefault(p.rank, []).append(p)
-        for caller, age in zip(request.also, ages, strict=True):
-            try:
-                member = state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation,
-                                            "heartbeat", any_generation=True)
-            except StateError:
-                continue
-            mine = progress.get(caller.rank)
-            if mine:
-                said = self._said(mine)
-                try:
-                    if said is None or not state.progress_unchanged(member.rank, caller.generation, said, now):
-                        state.report_progress(member.rank, caller.generation,
-                                              self._entries(mine, f"rank {caller.rank}'s relayed heartbeat"), now, said)
-                except Abort as exc:
-                    log.warning("coordinator: %s (its progress is left out)", exc.message)
+        members, current, left = state.members, state.generation, MemberState.LEFT
+        waiters, limit = self._waiters, 2 * bound
+        refresh: list[tuple[Member, int]] = []
+        for rank, incarnation, generation, age, repeated in zip(
+                ranks, incarnations, generations, ages, same or itertools.repeat(False, count), strict=False):
+            member = members.get(rank)
+            if member is None or member.incarnation != incarnation or member.state is left \
+                    or not (generation == current or 0 < generation < current):
+                try:  # the short path's checks failed: check_caller says which, and this rank is skipped
+                    member = state.check_caller(job_id, rank, incarnation, generation, "heartbeat", any_generation=True)
+                except StateError:
+                    continue
+            if repeated:
+                refresh.append((member, generation))
+            else:
+                mine = progress.get(rank)
+                if mine:
+                    said = self._said(mine)
+                    try:
+                        if said is None or not state.progress_unchanged(rank, generation, said, now):
+                            state.report_progress(rank, generation,
+                                                  self._entries(mine, f"rank {rank}'s relayed heartbeat"), now, said)
+                    except Abort as exc:
+                        state.progress_forget(rank)  # a later "same" gets a resend, not a refresh
+                        log.warning("coordinator: %s (its progress is left out)", exc.message)
             # Why clamped: the age comes off the wire (NaN, negative, absurd).
-            at = now - (min(age, 2 * bound) if age == age and age > 0 else 0.0)
+            at = now - (min(age, limit) if age == age and age > 0 else 0.0)
             if member.last_heartbeat is None or at > member.last_heartbeat:
-                state.heartbeat(member.rank, at, lag)
-                self._wake(("beat", member.rank))
+                state.heartbeat(rank, at, lag)
+                if ("beat", rank) in waiters:
+                    self._wake(("beat", rank))
+        resend = state.progress_refresh(refresh, now) if refresh else []
         await self._wait(("failure",), lambda: state.failed, min(request.wait_s, bound), deadline, "heartbeat",
                          fail_fast=False)
-        return pb.HeartbeatResponse(failures=[failure_pb(f) for f in state.failures], generation=state.generation)
+        return pb.HeartbeatResponse(failures=[failure_pb(f) for f in state.failures], generation=state.generation,
+                                    progress_resend=resend)
 
     def _check_lost(self, member: Member, beat: float | None, lag_then: float) -> None:
         if self.lag.total_s - lag_then > self._owner.connection_grace_s / 4:

@@ -220,28 +220,36 @@ class BarrierResponse(_message.Message):
     def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("caller", "wait_s", "also", "also_age_s", "relayed", "progress")
+    __slots__ = ("caller", "wait_s", "also_ranks", "also_incarnations", "also_generations", "also_age_s", "also_progress_same", "relayed", "progress")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
-    ALSO_FIELD_NUMBER: _ClassVar[int]
+    ALSO_RANKS_FIELD_NUMBER: _ClassVar[int]
+    ALSO_INCARNATIONS_FIELD_NUMBER: _ClassVar[int]
+    ALSO_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     ALSO_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    ALSO_PROGRESS_SAME_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     wait_s: float
-    also: _containers.RepeatedCompositeFieldContainer[Caller]
+    also_ranks: _containers.RepeatedScalarFieldContainer[int]
+    also_incarnations: _containers.RepeatedScalarFieldContainer[int]
+    also_generations: _containers.RepeatedScalarFieldContainer[int]
     also_age_s: _containers.RepeatedScalarFieldContainer[float]
+    also_progress_same: _containers.RepeatedScalarFieldContainer[bool]
     relayed: bool
     progress: _containers.RepeatedCompositeFieldContainer[Progress]
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., wait_s: _Optional[float] = ..., also: _Optional[_Iterable[_Union[Caller, _Mapping]]] = ..., also_age_s: _Optional[_Iterable[float]] = ..., relayed: bool = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ...) -> None: ...
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., wait_s: _Optional[float] = ..., also_ranks: _Optional[_Iterable[int]] = ..., also_incarnations: _Optional[_Iterable[int]] = ..., also_generations: _Optional[_Iterable[int]] = ..., also_age_s: _Optional[_Iterable[float]] = ..., also_progress_same: _Optional[_Iterable[bool]] = ..., relayed: bool = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("failures", "generation")
+    __slots__ = ("failures", "generation", "progress_resend")
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_RESEND_FIELD_NUMBER: _ClassVar[int]
     failures: _containers.RepeatedCompositeFieldContainer[Failure]
     generation: int
-    def __init__(self, failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
+    progress_resend: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., generation: _Optional[int] = ..., progress_resend: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReportFailureRequest(_message.Message):
     __slots__ = ("caller", "reason")

@@ -352,6 +352,25 @@ class Progress:
                 entry.reported_at = now
         return True
 
+    def refresh(self, ranks: Iterable[tuple[int, int]], now: float) -> list[int]:
+        """Each (rank, generation)'s last report stands as of ``now`` (a relay said it is the
+        same); returns the ranks with no such report that :meth:`unchanged` could compare."""
+        missing = []
+        said, reported, communicators = self._said, self._reported, self.communicators
+        for rank, generation in ranks:
+            if generation != self.generation or said.get(rank) is None:
+                missing.append(rank)
+                continue
+            for name in reported.get(rank, ()):
+                comm = communicators.get(name)
+                entry = comm.ranks.get(rank) if comm is not None else None
+                if entry is not None:
+                    entry.reported_at = now
+        return missing
+
+    def forget(self, rank: int) -> None:
+        self._said.pop(rank, None)
+
     def report(self, rank: int, generation: int, entries: Iterable[Entry], now: float,
                said: Hashable | None = None) -> None:
         """``rank``'s report of ``generation`` (one of another generation is ignored); ``said``:
