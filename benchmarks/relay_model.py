@@ -2,7 +2,7 @@
 
 A coordinator runs in a process of its own; R relay streams (threads of this process, each its own
 connection, as R relays are) each speak for K ranks: the K joins go up in one message, then B
-barriers, each one operation naming all K ranks (BarrierRequest.also), as a relay sends them.
+barriers, each one operation naming all K ranks (BarrierRequest.also_ranks), as a relay sends them.
 The coordinator's CPU time (from /proc) over the barriers, divided by R x B, is its cost per
 aggregated barrier message; runs at several K and R separate the per-message part from the
 per-rank part (cost = a + b x K), which BENCHMARKS.md uses to model a 100,000-rank job.
@@ -78,7 +78,9 @@ class FakeRelay:
                         for r in self.ranks]
 
     def barrier(self, seq: int) -> None:
-        request = pb.BarrierRequest(caller=self.callers[0], name="model", seq=seq, wait_s=120, also=self.callers[1:])
+        request = pb.BarrierRequest(caller=self.callers[0], name="model", seq=seq, wait_s=120,
+                                    also_ranks=[c.rank for c in self.callers[1:]],
+                                    also_incarnations=[c.incarnation for c in self.callers[1:]])
         self.requests.put(pb.SessionRequest(ops=[pb.SessionOp(id=1000 + seq, barrier=request)]))
         result = self.results(1)[0]
         if result.code:

@@ -474,11 +474,12 @@ def test_a_leave_does_not_wake_the_held_heartbeats(coordinator_factory, tmp_path
 
 @pytest.mark.timeout(60)
 def test_an_aggregate_naming_a_caller_the_coordinator_would_refuse_is_refused_whole(coordinator_factory):
-    """A relay's aggregate (a barrier or get whose ``also`` names more ranks) is checked rank by
-    rank as each rank's own call would be: a stranger, a rank of another process, another job,
-    another generation, a rank that left, or more ranks than the job has are refused with a
-    readable status, no arrival of the refused aggregate completes a barrier, and the
-    coordinator goes on serving a good aggregate and the ranks' own calls."""
+    """A relay's aggregate (a barrier or get whose ``also_ranks`` name more ranks, each with its
+    process) is checked rank by rank as each rank's own call would be: a stranger, a rank of
+    another process, a rank that left, arrays that do not line up, or more ranks than the job
+    has are refused with a readable status, as is an aggregate of another job or generation (its
+    caller's); no arrival of a refused aggregate completes a barrier, and the coordinator goes on
+    serving a good aggregate and the ranks' own calls."""
     from gridcomm._proto import coordinator_pb2 as pb
     from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 
@@ -494,44 +495,46 @@ def test_an_aggregate_naming_a_caller_the_coordinator_would_refuse_is_refused_wh
             setattr(other, field, value)
         return other
 
+    def also(*others: pb.Caller) -> dict[str, list[int]]:
+        return {"also_ranks": [c.rank for c in others], "also_incarnations": [c.incarnation for c in others]}
+
     bad = {
-        "a rank out of range": (with_(callers[1], rank=world + 3), grpc.StatusCode.INVALID_ARGUMENT, "rank"),
-        "another process": (with_(callers[2], incarnation=callers[2].incarnation + 1),
+        "a rank out of range": (callers[0], also(callers[1], with_(callers[1], rank=world + 3), callers[3]),
+                                grpc.StatusCode.INVALID_ARGUMENT, "rank"),
+        "another process": (callers[0], also(callers[1], with_(callers[2], incarnation=callers[2].incarnation + 1)),
                             grpc.StatusCode.FAILED_PRECONDITION, "as process"),
-        "another job": (with_(callers[1], job_id="someone-else"), None, "someone-else"),
-        "another generation": (with_(callers[3], generation=callers[3].generation + 5),
+        "arrays that do not line up": (callers[0], {"also_ranks": [1, 2], "also_incarnations": [callers[1].incarnation]},
+                                       grpc.StatusCode.INVALID_ARGUMENT, "names 1 processes"),
+        "more ranks than the job": (callers[0], also(*[callers[1]] * (world + 1)), grpc.StatusCode.INVALID_ARGUMENT,
+                                    "no more ranks than the job's"),
+        "another job": (with_(callers[0], job_id="someone-else"), also(callers[1]), None, "someone-else"),
+        "another generation": (with_(callers[0], generation=callers[0].generation + 5), also(callers[1]),
                                grpc.StatusCode.FAILED_PRECONDITION, "rejoin first"),
     }
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.CoordinatorStub(channel)
-        for what, (odd, code, words) in bad.items():
+        for what, (caller, others, code, words) in bad.items():
             for call, request in (
-                    (stub.Barrier, pb.BarrierRequest(caller=callers[0], name="agg", seq=1, wait_s=0.2,
-                                                     also=[callers[1], odd, callers[3]])),
-                    (stub.Get, pb.GetRequest(caller=callers[0], key="nothing", wait_s=0.2, also=[odd]))):
+                    (stub.Barrier, pb.BarrierRequest(caller=caller, name="agg", seq=1, wait_s=0.2, **others)),
+                    (stub.Get, pb.GetRequest(caller=caller, key="nothing", wait_s=0.2, **others))):
                 with pytest.raises(grpc.RpcError) as caught:
                     call(request, timeout=10)
                 assert code is None or caught.value.code() == code, (what, caught.value.code(), caught.value.details())
                 assert caught.value.code() != grpc.StatusCode.UNKNOWN and words in caught.value.details(), \
                     (what, caught.value.details())
-        with pytest.raises(grpc.RpcError) as caught:
-            stub.Barrier(pb.BarrierRequest(caller=callers[0], name="agg", seq=1, wait_s=0.2,
-                                           also=[callers[1]] * (world + 1)), timeout=10)
-        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "more than the job's" in \
-            caught.value.details(), caught.value.details()
         # Nothing above completed instance 1: a good aggregate for ranks 0-2 still waits for 3.
         with pytest.raises(grpc.RpcError) as caught:
             stub.Barrier(pb.BarrierRequest(caller=callers[0], name="agg", seq=1, wait_s=0.3,
-                                           also=[callers[1], callers[2]]), timeout=10)
+                                           **also(callers[1], callers[2])), timeout=10)
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "[3]" in caught.value.details(), \
             caught.value.details()
         # Rank 3 arrives on its own and completes it; ranks 0-2 see it complete.
         assert stub.Barrier(pb.BarrierRequest(caller=callers[3], name="agg", seq=1, wait_s=5.0), timeout=10).seq == 1
         assert stub.Barrier(pb.BarrierRequest(caller=callers[0], name="agg", seq=1, wait_s=5.0,
-                                              also=[callers[1], callers[2]]), timeout=10).seq == 1
+                                              **also(callers[1], callers[2])), timeout=10).seq == 1
         clients[3].leave()
         with pytest.raises(grpc.RpcError) as caught:
-            stub.Get(pb.GetRequest(caller=callers[0], key="k", wait_s=0.2, also=[callers[3]]), timeout=10)
+            stub.Get(pb.GetRequest(caller=callers[0], key="k", wait_s=0.2, **also(callers[3])), timeout=10)
         assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "after it left" in \
             caught.value.details(), caught.value.details()
     assert not server.state.failures
@@ -705,8 +708,8 @@ def test_an_aggregated_join_registers_each_rank_and_sends_back_what_a_join_of_it
                    for r in range(3)]
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(late.barrier, "all", timeout_s=20.0)
-            assert stub.Barrier(pb.BarrierRequest(caller=callers[0], name="all", seq=1, wait_s=10.0,
-                                                  also=callers[1:]), timeout=20).seq == 1
+            assert stub.Barrier(pb.BarrierRequest(caller=callers[0], name="all", seq=1, wait_s=10.0, also_ranks=[1, 2],
+                                                  also_incarnations=[1001, 1002]), timeout=20).seq == 1
             waiting.result(20)
         # New processes for ranks 0 and 1 of the running job: only their own joins can wait for
         # their predecessors' fate.

@@ -329,10 +329,13 @@ class Relay:
             child.answer(pb.SessionResult(id=op.id, code=_INVALID, details=f"Session operation {op.id} names no operation."))
             return
         request = getattr(op, kind)
-        if kind in ("barrier", "get", "join"):
+        if kind == "join":
             # Why: only the relay speaks for several ranks at once (a rank's heartbeat: the relay
             # reads only its caller and progress).
             request.ClearField("also")
+        elif kind in ("barrier", "get"):
+            request.ClearField("also_ranks")
+            request.ClearField("also_incarnations")
         caller = getattr(request, "caller", None)
         if caller is not None:
             self._note(child, caller)
@@ -492,7 +495,9 @@ class Relay:
                 request.also.extend(pb.Joiner(rank=r[2].join.rank, incarnation=r[2].join.incarnation,
                                               hostname=r[2].join.hostname) for r in route[1:])
             else:
-                request.also.extend(getattr(r[2], kind).caller for r in route[1:])
+                callers = [getattr(r[2], kind).caller for r in route[1:]]
+                request.also_ranks.extend(c.rank for c in callers)
+                request.also_incarnations.extend(c.incarnation for c in callers)
             self.aggregated += 1
             self._send(kind, request, route)
 

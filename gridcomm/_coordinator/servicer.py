@@ -510,18 +510,23 @@ class Servicer:
         self._wake(("kv", request.key))
         return pb.SetResponse()
 
-    def _also(self, callers: Any, what: str, now: float | None = None) -> None:
-        """Checks the other ranks of a relay's aggregate (each is seen, as its own call would be)."""
-        if len(callers) > self._state.world_size:
+    def _also(self, request: Any, what: str, now: float | None = None) -> list[int]:
+        """Checks the other ranks of a relay's aggregate (each is seen, as its own call would be);
+        returns them. They share the caller's job and generation, which its own check covered."""
+        ranks, incarnations = request.also_ranks, request.also_incarnations
+        if len(ranks) != len(incarnations) or len(ranks) > self._state.world_size:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"a {what} for {len(callers)} ranks is more than the job's {self._state.world_size}.")
-        self._state.check_callers(callers, what, self._now() if now is None else now)
+                        f"a {what} for {len(ranks)} ranks names {len(incarnations)} processes (one each, and no more "
+                        f"ranks than the job's {self._state.world_size}).")
+        caller = request.caller
+        return self._state.check_also(caller.job_id, caller.generation, ranks, incarnations, what,
+                                      self._now() if now is None else now)
 
     async def get(self, request: pb.GetRequest, deadline: float | None) -> pb.GetResponse:
         member = self._caller(request.caller, "get")
-        if request.also:
-            self._also(request.also, "get")
-        self.metrics.ops["get"] += 1 + len(request.also)
+        if request.also_ranks:
+            self._also(request, "get")
+        self.metrics.ops["get"] += 1 + len(request.also_ranks)
         self.metrics.messages["get"] += 1
         state = self._state
         key = request.key
@@ -555,16 +560,15 @@ class Servicer:
         now = self._now()
         name, seq = request.name, request.seq
         member = self._caller(request.caller, "barrier", now)
-        if request.also:
-            self._also(request.also, "barrier", now)
+        also = self._also(request, "barrier", now) if request.also_ranks else ()
         self.metrics.messages["barrier"] += 1
         barrier = state.barriers.get(name)
         # A name the state does not know (new, or dropped after every member passed it) starts
         # at the caller's seq: the instances before it completed long ago, nobody waits there.
         before = barrier.completed if barrier is not None else max(0, seq - 1)
         completed = state.arrive(name, member.rank, seq, now, request.participants)
-        for other in request.also:  # a relay's aggregate: the same arrival by its other ranks
-            completed = state.arrive(name, other.rank, seq, now, request.participants)
+        for other in also:  # a relay's aggregate: the same arrival by its other ranks
+            completed = state.arrive(name, other, seq, now, request.participants)
         barrier = state.barriers[name]
         if completed > before:
             for done_seq in range(before + 1, completed + 1):

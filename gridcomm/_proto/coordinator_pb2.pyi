@@ -172,20 +172,22 @@ class SetResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("caller", "key", "wait_s", "offset", "version", "also")
+    __slots__ = ("caller", "key", "wait_s", "offset", "version", "also_ranks", "also_incarnations")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
-    ALSO_FIELD_NUMBER: _ClassVar[int]
+    ALSO_RANKS_FIELD_NUMBER: _ClassVar[int]
+    ALSO_INCARNATIONS_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     key: str
     wait_s: float
     offset: int
     version: int
-    also: _containers.RepeatedCompositeFieldContainer[Caller]
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., wait_s: _Optional[float] = ..., offset: _Optional[int] = ..., version: _Optional[int] = ..., also: _Optional[_Iterable[_Union[Caller, _Mapping]]] = ...) -> None: ...
+    also_ranks: _containers.RepeatedScalarFieldContainer[int]
+    also_incarnations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., wait_s: _Optional[float] = ..., offset: _Optional[int] = ..., version: _Optional[int] = ..., also_ranks: _Optional[_Iterable[int]] = ..., also_incarnations: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("value", "total_bytes", "version")
@@ -198,20 +200,22 @@ class GetResponse(_message.Message):
     def __init__(self, value: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class BarrierRequest(_message.Message):
-    __slots__ = ("caller", "name", "seq", "wait_s", "participants", "also")
+    __slots__ = ("caller", "name", "seq", "wait_s", "participants", "also_ranks", "also_incarnations")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
-    ALSO_FIELD_NUMBER: _ClassVar[int]
+    ALSO_RANKS_FIELD_NUMBER: _ClassVar[int]
+    ALSO_INCARNATIONS_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     name: str
     seq: int
     wait_s: float
     participants: _containers.RepeatedScalarFieldContainer[int]
-    also: _containers.RepeatedCompositeFieldContainer[Caller]
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., wait_s: _Optional[float] = ..., participants: _Optional[_Iterable[int]] = ..., also: _Optional[_Iterable[_Union[Caller, _Mapping]]] = ...) -> None: ...
+    also_ranks: _containers.RepeatedScalarFieldContainer[int]
+    also_incarnations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., wait_s: _Optional[float] = ..., participants: _Optional[_Iterable[int]] = ..., also_ranks: _Optional[_Iterable[int]] = ..., also_incarnations: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BarrierResponse(_message.Message):
     __slots__ = ("seq",)

@@ -173,10 +173,21 @@ class Liveness(StateBase):
           join was answered (it died while joining, so nothing else would ever notice).
         Jobs of bare clients (no heartbeats at all) are never expired.
         """
-        joined = [m for m in self.members.values() if m.state is MemberState.JOINED]
+        # Why one pass that skips whoever was heard within the bound: this runs every second over
+        # every member, and a silence is never longer than the time since the last heartbeat.
+        cutoff, joined = now - timeout_s, MemberState.JOINED
+        beating = False
+        candidates = []
+        for m in self.members.values():
+            beat = m.last_heartbeat
+            if beat is not None:
+                beating = True
+                if beat >= cutoff:
+                    continue
+            if m.state is joined:
+                candidates.append(m)
         out = []
-        beating = any(m.last_heartbeat is not None for m in self.members.values())
-        for m in joined:
+        for m in candidates:
             if m.last_heartbeat is None and (not beating or m.active_calls or self.completed_at is None):
                 continue
             silent = self.silence(m, now, lag)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any
 
 from gridcomm._coordinator.state.barriers import Barriers
 from gridcomm._coordinator.state.common import (
@@ -427,18 +426,21 @@ class JobState(Liveness, Barriers, KeyValue):
             raise StateError(FAILED_PRECONDITION, f"rank {rank} called {what} after it left the job.")
         return member
 
-    def check_callers(self, callers: Iterable[Any], what: str, now: float) -> None:
-        """check_caller for each rank of a relay's aggregate (``pb.Caller`` messages), each seen
-        at ``now``. Why a loop of its own: it runs for every rank of every aggregate; a caller
-        that passes every check of check_caller (the job's, joined, this process, this
-        generation) takes the short path, and any other gets check_caller's own answer."""
-        members, job_id, generation, left, seen = self.members, self.job_id, self.generation, MemberState.LEFT, self.seen
-        for caller in callers:
-            member = members.get(caller.rank)
-            if member is None or caller.job_id != job_id or caller.incarnation != member.incarnation \
-                    or caller.generation != generation or member.state is left:
-                member = self.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, what)
+    def check_also(self, job_id: str, generation: int, ranks: Iterable[int], incarnations: Iterable[int], what: str,
+                   now: float) -> list[int]:
+        """check_caller for each other rank of a relay's aggregate (of the caller's job and
+        generation, which the caller's own check covered), each seen at ``now``; returns the
+        ranks. Why a loop of its own: it runs for every rank of every aggregate; a rank that is
+        joined as this process takes the short path, and any other gets check_caller's answer."""
+        members, left, seen = self.members, MemberState.LEFT, self.seen
+        out = []
+        for rank, incarnation in zip(ranks, incarnations, strict=True):
+            member = members.get(rank)
+            if member is None or member.incarnation != incarnation or member.state is left:
+                member = self.check_caller(job_id, rank, incarnation, generation, what)
             seen(member, now)
+            out.append(rank)
+        return out
 
     def _check_job(self, job_id: str) -> None:
         if job_id != self.job_id:
