@@ -64,9 +64,10 @@ class Liveness(StateBase):
 
     def all_left(self) -> bool:
         """True when every rank has left or failed (rank 0 may stop serving). Why the count
-        first: every leave asks, and a scan each time made a job's end O(ranks^2) (67 million
-        member checks at 8,192 ranks). Each member that is not joined left (counted in
-        left_count) or failed (in _failed), so fewer of those than members means some are joined."""
+        first: every leave asks, and the scan stops at the first member still joined, which is
+        short when ranks leave in any order but O(ranks) per leave when they leave in rank order
+        (33 million member checks for 8,192 ranks). Each member that is not joined left (counted
+        in left_count) or failed (in _failed), so fewer of those than members means some are joined."""
         if not self.complete or self.left_count + len(self._failed) < len(self.members):
             return False
         return all(m.state is not MemberState.JOINED for m in self.members.values())
