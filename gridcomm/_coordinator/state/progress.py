@@ -345,30 +345,30 @@ class Progress:
         with every heartbeat, and the full report is most of a relayed heartbeat's cost."""
         if generation != self.generation or self._said.get(rank) != said:
             return False
+        self._restamp(rank, now)
+        return True
+
+    def _restamp(self, rank: int, now: float) -> None:
+        """``rank``'s last report stands as of ``now`` (it was heard from saying the same)."""
         for name in self._reported.get(rank, ()):
             comm = self.communicators.get(name)
             entry = comm.ranks.get(rank) if comm is not None else None
             if entry is not None:
                 entry.reported_at = now
-        return True
 
     def refresh(self, ranks: Iterable[tuple[int, int]], now: float) -> list[int]:
         """Each (rank, generation)'s last report stands as of ``now`` (a relay said it is the
         same); returns the ranks with no such report that :meth:`unchanged` could compare."""
         missing = []
-        said, reported, communicators = self._said, self._reported, self.communicators
         for rank, generation in ranks:
-            if generation != self.generation or said.get(rank) is None:
+            if generation != self.generation or self._said.get(rank) is None:
                 missing.append(rank)
-                continue
-            for name in reported.get(rank, ()):
-                comm = communicators.get(name)
-                entry = comm.ranks.get(rank) if comm is not None else None
-                if entry is not None:
-                    entry.reported_at = now
+            else:
+                self._restamp(rank, now)
         return missing
 
     def forget(self, rank: int) -> None:
+        """``rank``'s last report stands for no later one (it was refused)."""
         self._said.pop(rank, None)
 
     def report(self, rank: int, generation: int, entries: Iterable[Entry], now: float,
