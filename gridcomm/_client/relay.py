@@ -178,8 +178,7 @@ class Relay:
         self._beats: dict[int, tuple[pb.Caller, float, float]] = {}
         #: rank -> its last heartbeat's progress entries (their ages as of that heartbeat's arrival),
         #: and what they say (gridcomm._wire.progress_said; None: they go up in full every time).
-        self._progress: dict[int, list[pb.Progress]] = {}
-        self._progress_said: dict[int, Hashable | None] = {}
+        self._progress: dict[int, tuple[list[pb.Progress], Hashable | None]] = {}
         #: rank -> (generation, what its entries said) as this relay last reported them in a
         #: heartbeat the coordinator answered: while they say the same, they go up as a flag.
         self._progress_up: dict[int, tuple[int, Hashable]] = {}
@@ -408,11 +407,10 @@ class Relay:
         loop = asyncio.get_running_loop()
         self._beats[request.caller.rank] = (request.caller, loop.time(), _eventloop.lag_s())
         if request.progress:
-            entries = self._progress[request.caller.rank] = list(request.progress[:64])
-            self._progress_said[request.caller.rank] = progress_said(entries)
+            entries = list(request.progress[:64])
+            self._progress[request.caller.rank] = (entries, progress_said(entries))
         else:
             self._progress.pop(request.caller.rank, None)
-            self._progress_said.pop(request.caller.rank, None)
 
         async def answer() -> None:
             if not self._latest.failures:
@@ -547,7 +545,6 @@ class Relay:
                 rank = op.leave.caller.rank
                 self._beats.pop(rank, None)
                 self._progress.pop(rank, None)
-                self._progress_said.pop(rank, None)
                 self._progress_up.pop(rank, None)
                 noted = self._ranks.get(rank)
                 if noted is not None and noted[0] is child:
@@ -612,8 +609,7 @@ class Relay:
                                           also_generations=[c.generation for c, _, _ in beats])
             for (caller, _, _), age in zip(beats, ages, strict=True):
                 rank = caller.rank
-                entries = self._progress.get(rank)
-                said = self._progress_said.get(rank) if entries else None
+                entries, said = self._progress.get(rank, ((), None))
                 key = (caller.generation, said)
                 if said is not None and self._progress_up.get(rank) == key:
                     same.append(True)
@@ -621,7 +617,7 @@ class Relay:
                 same.append(False)
                 if said is not None:
                     full[rank] = key
-                for entry in entries or ():
+                for entry in entries:
                     # Why the age added: the coordinator dates the entry from this message's arrival.
                     relayed = request.progress.add()
                     relayed.CopyFrom(entry)

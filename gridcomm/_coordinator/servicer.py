@@ -28,7 +28,6 @@ from gridcomm._coordinator.state import (
     SHRINK,
     JobState,
     Member,
-    MemberState,
     StateError,
     process_tag,
     quote,
@@ -262,9 +261,6 @@ class Servicer:
             if cause:
                 self.metrics.hangs[cause] += 1
             self._on_failure()
-
-    #: What a heartbeat's progress entries say (see gridcomm._wire.progress_said).
-    _said = staticmethod(progress_said)
 
     @staticmethod
     def _entries(progress: Any, what: str) -> list[Entry]:
@@ -604,7 +600,7 @@ class Servicer:
         self.metrics.ops["heartbeat"] += 1
         now = self._now()
         if request.progress:
-            said = self._said(request.progress)
+            said = progress_said(request.progress)
             if said is None or not state.progress_unchanged(member.rank, caller.generation, said, now):
                 state.report_progress(member.rank, caller.generation, self._entries(request.progress, "a heartbeat"),
                                       now, said)
@@ -670,24 +666,20 @@ class Servicer:
         progress: dict[int, list[Any]] = {}
         for p in request.progress:
             progress.setdefault(p.rank, []).append(p)
-        members, current, left = state.members, state.generation, MemberState.LEFT
         waiters, limit = self._waiters, 2 * bound
         refresh: list[tuple[Member, int]] = []
-        for rank, incarnation, generation, age, repeated in zip(
-                ranks, incarnations, generations, ages, same or itertools.repeat(False, count), strict=False):
-            member = members.get(rank)
-            if member is None or member.incarnation != incarnation or member.state is left \
-                    or not (generation == current or 0 < generation < current):
-                try:  # the short path's checks failed: check_caller says which, and this rank is skipped
-                    member = state.check_caller(job_id, rank, incarnation, generation, "heartbeat", any_generation=True)
-                except StateError:
-                    continue
+        for member, generation, age, repeated in zip(
+                state.relayed_members(job_id, ranks, incarnations, generations), generations, ages,
+                same or itertools.repeat(False, count), strict=False):
+            if member is None:  # refused (failed, left, replaced): the answer's failures say why
+                continue
+            rank = member.rank
             if repeated:
                 refresh.append((member, generation))
             else:
                 mine = progress.get(rank)
                 if mine:
-                    said = self._said(mine)
+                    said = progress_said(mine)
                     try:
                         if said is None or not state.progress_unchanged(rank, generation, said, now):
                             state.report_progress(rank, generation,

@@ -442,6 +442,24 @@ class JobState(Liveness, Barriers, KeyValue):
             out.append(rank)
         return out
 
+    def relayed_members(self, job_id: str, ranks: Iterable[int], incarnations: Iterable[int],
+                        generations: Iterable[int]) -> list[Member | None]:
+        """check_caller (as for a heartbeat: any generation the process last took) for each rank
+        of a relay's heartbeat, in order; None for a rank it refuses (skipped, not an error). Why
+        a loop of its own: as check_also, it runs for every rank of every relay every bound / 6."""
+        members, left, current = self.members, MemberState.LEFT, self.generation
+        out: list[Member | None] = []
+        for rank, incarnation, generation in zip(ranks, incarnations, generations, strict=True):
+            member = members.get(rank)
+            if member is None or member.incarnation != incarnation or member.state is left \
+                    or not (generation == current or 0 < generation < current):
+                try:
+                    member = self.check_caller(job_id, rank, incarnation, generation, "heartbeat", any_generation=True)
+                except StateError:
+                    member = None
+            out.append(member)
+        return out
+
     def _check_job(self, job_id: str) -> None:
         if job_id != self.job_id:
             raise StateError(
