@@ -20,6 +20,7 @@ coordinators on loopback, with real clients (threads, one per rank) and hand-mad
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import gc
@@ -673,6 +674,50 @@ def test_a_stream_cut_mid_wait_is_repeated_as_a_unary_call(coordinator_factory, 
         on_threads(lambda c: c.barrier("x", timeout_s=5.0), [near, far])
         assert near._barrier_seq["x"] == far._barrier_seq["x"] == 2 and pending_barrier(server.port, "x") is None
         assert not server.state.failed
+
+
+@pytest.mark.timeout(60)
+def test_a_cut_stream_reports_only_the_operations_still_awaited(coordinator_factory, caplog):
+    """An attempt whose caller gave up (a long poll's slice that timed out) is still in flight on
+    the stream, but nobody repeats it: the warning counts only what is repeated."""
+    from gridcomm._client import session as _session
+    from gridcomm._client.channel import make_aio_channel
+
+    server = coordinator_factory(2)
+    proxy = TcpProxy(server.port)
+    target = f"127.0.0.1:{proxy.port}"
+    try:
+        with clients(server.port, 2, "client") as (near, far), ThreadPoolExecutor(1) as pool:
+            on_threads(lambda c: c.join(), [near, far])
+            channels: list[grpc.aio.Channel] = []
+
+            def channel() -> grpc.aio.Channel:
+                channels.append(make_aio_channel(target, None))
+                return channels[-1]
+
+            stream = _session.Session(target, near._metadata, channel)
+            abandoned = pb.BarrierRequest(caller=near.caller, name="given-up", seq=1, wait_s=20.0)
+            with pytest.raises(_session.OpError) as timed_out:
+                stream.call("barrier", abandoned, 0.5)
+            assert timed_out.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            awaited = pool.submit(lambda: stream.call(
+                "barrier", pb.BarrierRequest(caller=near.caller, name="awaited", seq=1, wait_s=20.0), 20.0))
+            wait_for(lambda: arrived(server.port, "awaited") == [0], "rank 0 waiting at barrier 'awaited'")
+            with caplog.at_level("WARNING", logger="gridcomm._client.session"):
+                proxy.cut()
+                with pytest.raises(_session.StreamBroken):
+                    awaited.result(timeout=15.0)
+            said = [r.getMessage() for r in caplog.records if "Session stream" in r.getMessage()]
+            assert len(said) == 1 and "with 1 operation(s) still awaited" in said[0], said
+
+            async def close() -> None:
+                await stream.close()
+                for ch in channels:
+                    await ch.close()
+
+            asyncio.run_coroutine_threadsafe(close(), stream._loop).result(timeout=10.0)
+    finally:
+        proxy.close()
 
 
 @pytest.mark.timeout(60)

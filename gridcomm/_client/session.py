@@ -250,9 +250,12 @@ class Session:
         kinds = dict(self._sent)
         kinds.update((op.id, op.WhichOneof("op")) for op in self._outbox.ops)
         lost = set(kinds)
+        # Why counted apart: an operation whose caller gave up (a long poll's attempt that timed
+        # out, repeated since) is in flight but not repeated; only those still awaited are.
+        awaited = sum(1 for op_id in lost if op_id in self._waiters)
         self._sent, self._outbox = {}, pb.SessionRequest()
         self._fall_back(lost, f"ended: {why}")
-        if lost:
+        if awaited:
             # Why not a warning when cancelled: that is this process closing the stream (exit).
             # Why not for a relay that took only heartbeats and leaves with it: its rank's process
             # ended (a job's ranks finish seconds apart); were it a death, the coordinator names
@@ -261,8 +264,8 @@ class Session:
             quiet = why == "cancelled" or not self._wait_for_ready or \
                 (self.relay and set(kinds.values()) <= {"heartbeat", "leave"})
             (log.debug if quiet else log.warning)(
-                "gridcomm: the Session stream to %s ended with %d operations in flight (%s); they are repeated as "
-                "unary calls", self._target, len(lost), why)
+                "gridcomm: the Session stream to %s ended (%s) with %d operation(s) still awaited; they are repeated "
+                "as unary calls", self._target, why, awaited)
 
     def _fall_back(self, op_ids: Iterable[int], why: str) -> None:
         """The operations ``op_ids`` will not be answered here: their callers repeat them as
