@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,10 +48,10 @@ def cpu_s(pid: int) -> float:
 class FakeRelay:
     """One relay's stream: K ranks' joins in one message, then one aggregated barrier op at a time."""
 
-    def __init__(self, port: int, first: int, k: int, world: int) -> None:
+    def __init__(self, port: int, first: int, k: int, world: int, options: list[tuple[str, Any]]) -> None:
         self.ranks = list(range(first, first + k))
         self.world = world
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
         self.requests: queue.Queue[pb.SessionRequest | None] = queue.Queue()
         call = self.channel.stream_stream("/gridcomm.v1.Coordinator/Session",
                                           request_serializer=pb.SessionRequest.SerializeToString,
@@ -91,13 +92,22 @@ class FakeRelay:
         self.channel.close()
 
 
-def run(relays: int, k: int, barriers: int) -> dict[str, float]:
+def channel_options(name: str) -> list[tuple[str, Any]]:
+    """``library``: the options a relay's channel to the coordinator has (gridcomm's); ``grpc``:
+    gRPC's defaults (BDP probing on), what this model measured before c3d3f7f."""
+    from gridcomm._client.channel import channel_options as library
+
+    own = [("grpc.use_local_subchannel_pool", 1)]
+    return library() if name == "library" else own
+
+
+def run(relays: int, k: int, barriers: int, options: str = "library") -> dict[str, Any]:
     world = relays * k
     server = subprocess.Popen([sys.executable, "-c", SERVE, str(world)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     try:
         port = int(server.stdout.readline())
-        fakes = [FakeRelay(port, i * k, k, world) for i in range(relays)]
+        fakes = [FakeRelay(port, i * k, k, world, channel_options(options)) for i in range(relays)]
         threads = [threading.Thread(target=f.join) for f in fakes]
         [t.start() for t in threads]
         [t.join(120) for t in threads]
@@ -118,7 +128,7 @@ def run(relays: int, k: int, barriers: int) -> dict[str, float]:
         [t.join(10) for t in threads]
         for f in fakes:
             f.close()
-        return {"relays": relays, "k": k, "world": world, "barrier_ms": (t1 - t0) / barriers * 1e3,
+        return {"relays": relays, "k": k, "world": world, "options": options, "barrier_ms": (t1 - t0) / barriers * 1e3,
                 "coordinator_cpu_ms_per_barrier": (cpu1 - cpu0) / barriers * 1e3,
                 "us_per_aggregate": (cpu1 - cpu0) / (barriers * relays) * 1e6,
                 "us_per_rank_op": (cpu1 - cpu0) / (barriers * world) * 1e6}
@@ -132,26 +142,32 @@ def main() -> int:
     ap.add_argument("--shapes", default="64x32,256x32,64x128,16x128", help="RELAYSxFANIN,...")
     ap.add_argument("--barriers", type=int, default=50)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--channel-options", default="library",
+                    help="library (a relay's channel options), grpc (gRPC's defaults), or both, comma-separated")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    options = [o for o in args.channel_options.split(",") if o]
+    if not options or set(options) - {"library", "grpc"}:
+        ap.error("--channel-options takes library and/or grpc")
+    runs = [(relays, k, o) for relays, k in shapes for o in options]
     rows = []
     for rep in range(args.reps):
-        for relays, k in shapes[rep % len(shapes):] + shapes[:rep % len(shapes)]:
-            res = run(relays, k, args.barriers)
+        for relays, k, o in runs[rep % len(runs):] + runs[:rep % len(runs)]:
+            res = run(relays, k, args.barriers, o)
             res["rep"] = rep
             rows.append(res)
             print(json.dumps(res), flush=True)
-    print("\n| relays x fan-in (ranks) | barrier | coordinator CPU per barrier | per aggregate | per rank-op |")
-    print("| --- | --- | --- | --- | --- |")
-    for relays, k in shapes:
-        cell = [r for r in rows if r["relays"] == relays and r["k"] == k]
+    print("\n| relays x fan-in (ranks) | channel options | barrier | coordinator CPU per barrier | per aggregate | per rank-op |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for relays, k, o in runs:
+        cell = [r for r in rows if r["relays"] == relays and r["k"] == k and r["options"] == o]
 
         def med(key: str, cell: list = cell) -> str:
             values = [r[key] for r in cell]
             return f"{statistics.median(values):.2f} ({min(values):.2f}..{max(values):.2f})"
 
-        print(f"| {relays} x {k} ({relays * k}) | {med('barrier_ms')} ms | {med('coordinator_cpu_ms_per_barrier')} ms | "
+        print(f"| {relays} x {k} ({relays * k}) | {o} | {med('barrier_ms')} ms | {med('coordinator_cpu_ms_per_barrier')} ms | "
               f"{med('us_per_aggregate')} us | {med('us_per_rank_op')} us |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
