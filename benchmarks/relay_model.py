@@ -21,8 +21,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
