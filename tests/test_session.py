@@ -707,6 +707,10 @@ def test_a_cut_stream_reports_only_the_operations_still_awaited(coordinator_fact
                 proxy.cut()
                 with pytest.raises(_session.StreamBroken):
                     awaited.result(timeout=15.0)
+                # The line is written on the loop before the caller is woken; waited for all the
+                # same, so that a line written late fails as a missing line, not as a race.
+                wait_for(lambda: any("Session stream" in r.getMessage() for r in caplog.records),
+                         "the broken stream's warning", timeout_s=10.0)
             said = [r.getMessage() for r in caplog.records if "Session stream" in r.getMessage()]
             assert len(said) == 1 and "with 1 operation(s) still awaited" in said[0], said
 

@@ -254,7 +254,6 @@ class Session:
         # out, repeated since) is in flight but not repeated; only those still awaited are.
         awaited = sum(1 for op_id in lost if op_id in self._waiters)
         self._sent, self._outbox = {}, pb.SessionRequest()
-        self._fall_back(lost, f"ended: {why}")
         if awaited:
             # Why not a warning when cancelled: that is this process closing the stream (exit).
             # Why not for a relay that took only heartbeats and leaves with it: its rank's process
@@ -266,6 +265,8 @@ class Session:
             (log.debug if quiet else log.warning)(
                 "gridcomm: the Session stream to %s ended (%s) with %d operation(s) still awaited; they are repeated "
                 "as unary calls", self._target, why, awaited)
+        # Why after the line: it then comes before what the repeated calls log.
+        self._fall_back(lost, f"ended: {why}")
 
     def _fall_back(self, op_ids: Iterable[int], why: str) -> None:
         """The operations ``op_ids`` will not be answered here: their callers repeat them as
