@@ -94,9 +94,10 @@ LATE_READ = """
 import json, os, time, gridcomm
 c = gridcomm.CoordinatorClient("127.0.0.1", int(os.environ["PORT"]), int(os.environ["GRIDCOMM_RANK"]), 2, timeout_s=60)
 c.join()
-end = time.monotonic() + float(os.environ["RUN_S"])
+# A fixed count, the same for both ranks (each deciding by its own clock, one ran a barrier the
+# other had left before): the sleeps alone make it last RUN_S.
 n = 0
-while time.monotonic() < end:
+for _ in range(int(float(os.environ["RUN_S"]) / 0.05)):
     c.barrier("b")
     n += 1
     time.sleep(0.05)
