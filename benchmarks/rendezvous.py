@@ -352,6 +352,17 @@ def proc_stats(pid: int) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------- one run (driver)
+def ranks_cpu_s(procs: list[Any]) -> float:
+    """CPU seconds of every rank process so far, together (0 for one that has exited)."""
+    total = 0.0
+    for p in procs:
+        try:
+            total += proc_stats(p.pid)["cpu_s"]
+        except OSError:
+            pass
+    return total
+
+
 def rank_groups(world: int, process_per_rank_max: int = PROCESS_PER_RANK_MAX,
                 threads_max: int = THREADS_PER_PROCESS_MAX) -> list[list[int]]:
     procs = world if world <= process_per_rank_max else max(PROCESSES, math.ceil(world / threads_max))
@@ -480,6 +491,7 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
             os.close(read_end)
         opened: dict[str, float] = {}
         phase_cpu: dict[str, float] = {}  # the server's CPU seconds when each phase opened
+        ranks_cpu: dict[str, float] = {}  # the rank processes' CPU seconds, all together, likewise
         idle_end_cpu_s = 0.0  # the server's CPU seconds at the end of the idle period
         latest: dict[str, float] = {}
         woke: dict[str, float] = {}
@@ -528,6 +540,13 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
                     "connect": round(phase_cpu["t1"] - phase_cpu["go"], 3),
                     "t1": round(phase_cpu["t2"] - phase_cpu["t1"], 3),
                     "barriers": round(end["cpu_s"] - phase_cpu["t2"], 3)}
+                # The same for the rank processes (clients, and relays where the peer has them):
+                # on 2 cores, theirs and the server's together bound each phase's time.
+                ranks_end = ranks_cpu_s(procs)
+                result["ranks_cpu_by_phase_s"] = {
+                    "connect": round(ranks_cpu["t1"] - ranks_cpu["go"], 3),
+                    "t1": round(ranks_cpu["t2"] - ranks_cpu["t1"], 3),
+                    "barriers": round(ranks_end - ranks_cpu["t2"], 3)}
                 # Idle: every client connected and heartbeating, nothing else: liveness's own cost.
                 idle_end_cpu_s = idle["cpu_s"]
                 result.update(server_peak_mb=idle["hwm_mb"], server_cpu_s=end["cpu_s"] - base["cpu_s"],
@@ -535,6 +554,7 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
                               server_idle_cpu_s=round(idle["cpu_s"] - end["cpu_s"], 3))
             opened[phase] = time.monotonic()
             phase_cpu[phase] = proc_stats(server.pid)["cpu_s"]
+            ranks_cpu[phase] = ranks_cpu_s(procs)
             os.close(gates[phase][1])
             if phase == "t1":
                 result["connect_s"] = latest["t1"] - opened["go"]

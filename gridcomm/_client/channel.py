@@ -33,9 +33,26 @@ _SERVICE_CONFIG = json.dumps(
 )
 
 
-def channel_options(retries: bool = True) -> list[tuple[str, Any]]:
+#: The longest gap between a rank's attempts to reach its group's relay (gRPC's reconnect backoff
+#: on a channel to a relay; 1 s to the coordinator). Why short: a member whose relay's pod starts
+#: after it waits for the relay (see CoordinatorClient._join_through_relay), and finds it this long
+#: after it listens at most; at 1 s the ranks of a 2,048-rank job found theirs 1.0-1.9 s after
+#: the last one listened. An attempt at a port nobody listens on costs a refused connect.
+RELAY_RECONNECT_MAX_MS = 250
+#: The first of those gaps (it grows 1.6-fold an attempt): ranks that start together with their
+#: relay's host find the relay the moment it listens.
+RELAY_RECONNECT_FIRST_MS = 20
+
+
+def channel_options(retries: bool = True, *, relay: bool = False) -> list[tuple[str, Any]]:
     """The channel's options; ``retries=False`` leaves out the unary retry policy (a call then
-    says at once whether the coordinator's port refused it)."""
+    says at once whether the coordinator's port refused it); ``relay``: a channel to a relay, which
+    carries Session streams only (never retried by the channel: see _SERVICE_CONFIG), so it has no
+    retry policy either (parsing it cost as much as the rest of making a channel)."""
+    if relay:
+        return [(k, RELAY_RECONNECT_MAX_MS if k == "grpc.max_reconnect_backoff_ms" else
+                 RELAY_RECONNECT_FIRST_MS if k == "grpc.initial_reconnect_backoff_ms" else v)
+                for k, v in channel_options(False)]
     if not retries:
         return [o for o in channel_options() if o[0] not in ("grpc.enable_retries", "grpc.service_config")] + [
             ("grpc.enable_retries", 0)]
@@ -77,8 +94,8 @@ def channel_credentials(tls: _config.TlsFiles) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=key, certificate_chain=cert)
 
 
-def secure_options(tls: _config.TlsFiles | None, retries: bool = True) -> list[tuple[str, Any]]:
-    options = channel_options(retries)
+def secure_options(tls: _config.TlsFiles | None, retries: bool = True, relay: bool = False) -> list[tuple[str, Any]]:
+    options = channel_options(retries, relay=relay)
     if tls is not None and tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
     return options
@@ -91,8 +108,10 @@ def make_channel(target: str, tls: _config.TlsFiles | None) -> grpc.Channel:
     return grpc.secure_channel(target, channel_credentials(tls), options=secure_options(tls))
 
 
-def make_aio_channel(target: str, tls: _config.TlsFiles | None, retries: bool = True) -> grpc.aio.Channel:
-    """An asyncio channel (on the background loop) with the same options and credentials."""
+def make_aio_channel(target: str, tls: _config.TlsFiles | None, retries: bool = True, *,
+                     relay: bool = False) -> grpc.aio.Channel:
+    """An asyncio channel (on the background loop) with the same options and credentials;
+    ``relay``: to a relay (see RELAY_RECONNECT_MAX_MS)."""
     if tls is None:
-        return grpc.aio.insecure_channel(target, options=channel_options(retries))
-    return grpc.aio.secure_channel(target, channel_credentials(tls), options=secure_options(tls, retries))
+        return grpc.aio.insecure_channel(target, options=channel_options(retries, relay=relay))
+    return grpc.aio.secure_channel(target, channel_credentials(tls), options=secure_options(tls, retries, relay))

@@ -12,6 +12,7 @@ ready, so a coordinator DNS name that does not resolve yet is retried until the 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import random
 import secrets
@@ -334,15 +335,24 @@ class CoordinatorClient:
                             until: float) -> pb.JoinResponse | None:
         """The join through this rank's group relay (GRIDCOMM_RELAY_ADDRESSES), so the coordinator
         is not dialled by every rank. A relay that does not answer yet (its rank's pod is still
-        starting) is tried again, jittered, until ``until``; then None: the join goes to the
-        coordinator directly, and the join's answer moves the stream to the relay if it came up."""
+        starting) is waited for until ``until``; then None: the join goes to the coordinator
+        directly, and the join's answer moves the stream to the relay if it came up."""
         target = self._relay_join
         assert target is not None
+        began = time.monotonic()
+        why = "it was not listening"
         backoff = 0.1
-        while True:
+        while (left := until - time.monotonic()) > 0:
+            self.relay_target = target
+            # Why wait for the connection rather than try and sleep: gRPC dials a relay that is not
+            # listening yet again on its own, every RELAY_RECONNECT_MAX_MS at most, and the join
+            # goes the moment it connects. Tried and slept in Python, each attempt (a stream, at
+            # once refused) cost this process's loop, which at 64 ranks a process also had to start
+            # the relay, and ranks found their relay seconds after it listened.
+            if not self._relay_connected(left):
+                continue
             session = self._session
             if session is None or session.closed or not session.relay:
-                self.relay_target = target
                 session = _session.Session(target, self._metadata, self.relay_channel, relay=True,
                                            wait_for_ready=False)
                 self._session = session
@@ -351,20 +361,30 @@ class CoordinatorClient:
             except _session.OpError as exc:
                 raise translate(exc, what, target) from None
             except _session.StreamBroken as exc:
-                why = str(exc)
-            left = until - time.monotonic()
-            if left <= 0:
-                break
-            time.sleep(min(left, backoff * (0.5 + random.random())))
-            backoff = min(2.0, backoff * 2)
+                why = str(exc)  # connected, but the stream ended (the relay lost the coordinator?)
+                time.sleep(min(max(0.0, until - time.monotonic()), backoff * (0.5 + random.random())))
+                backoff = min(2.0, backoff * 2)
         log.info("rank %d: the relay at %s did not answer within %.0f s (%s); joining the coordinator at %s "
-                 "directly", self.rank, target, RELAY_JOIN_GRACE_S, why, self.target)
+                 "directly", self.rank, target, time.monotonic() - began, why, self.target)
         self._relay_join = None
         session, self._session = self._session, None
         channel, self._relay_aio = self._relay_aio, None
         self.relay_target = None
         _close_later(session, [channel] if channel is not None else [])
         return None
+
+    def _relay_connected(self, timeout_s: float) -> bool:
+        """Waits, at most ``timeout_s``, until the channel to the relay (relay_target) is connected."""
+        async def connected() -> None:
+            await asyncio.wait_for(self.relay_channel().channel_ready(), timeout_s)
+
+        future = asyncio.run_coroutine_threadsafe(connected(), _eventloop.loop())
+        try:
+            future.result(timeout_s + 5.0)  # the slack: this process's loop may run behind
+            return True
+        except (asyncio.TimeoutError, concurrent.futures.TimeoutError):
+            future.cancel()
+            return False
 
     def recover(self, mode: str, timeout_s: float | None = None) -> int:
         """After a failure of this generation, joins the next one as a survivor: ``"rebuild"``
@@ -615,7 +635,7 @@ class CoordinatorClient:
 
     def _own_relay_channel(self, target: str) -> grpc.aio.Channel:
         if self._own_relay_aio is None:
-            self._own_relay_aio = make_aio_channel(target, self.tls)
+            self._own_relay_aio = make_aio_channel(target, self.tls, relay=True)
         return self._own_relay_aio
 
     def relay_unreachable(self, session: _session.Session) -> None:
@@ -628,7 +648,7 @@ class CoordinatorClient:
         """The channel to the relay, on the background loop (made on first use)."""
         assert self.relay_target is not None
         if self._relay_aio is None:
-            self._relay_aio = make_aio_channel(self.relay_target, self.tls)
+            self._relay_aio = make_aio_channel(self.relay_target, self.tls, relay=True)
         return self._relay_aio
 
     def stop_watching(self) -> None:

@@ -205,8 +205,6 @@ class Watcher:
 
     async def _run(self) -> None:
         client = self._client
-        # Why the client's channel: one connection per rank, shared with its Session stream.
-        stub = pb_grpc.CoordinatorStub(client.aio_channel())
         timeout_s = client.heartbeat_timeout_s
         interval = max(0.05, timeout_s / 3)
         grace = min(CONNECTION_GRACE_S, timeout_s / 2)
@@ -264,7 +262,7 @@ class Watcher:
                                                   progress=client.progress())
                     started = time.monotonic()
                     try:
-                        reply = await self._beat(stub, request, call_s)
+                        reply = await self._beat(request, call_s)
                     except _Dropped as exc:
                         log.debug("rank %d: %s; dialling the coordinator again", client.rank, exc)
                         down_since = time.monotonic()
@@ -310,13 +308,12 @@ class Watcher:
         silence)."""
         return (time.monotonic() - since) - max(0.0, _lag_s() - lag_then)
 
-    async def _beat(self, stub: pb_grpc.CoordinatorStub, request: pb.HeartbeatRequest,
-                    call_s: float) -> pb.HeartbeatResponse:
-        timeout_s = self._client.heartbeat_timeout_s
+    async def _beat(self, request: pb.HeartbeatRequest, call_s: float) -> pb.HeartbeatResponse:
         """One heartbeat: an operation on the client's Session stream (a message on a stream
         the coordinator already serves; a unary call per heartbeat is a new call for it to set
         up, and at 2,048 ranks those calls waited behind the streams' traffic for longer than
         the liveness bound), or the Heartbeat RPC when there is no stream or it broke."""
+        timeout_s = self._client.heartbeat_timeout_s
         session = self._client.session_stream()
         if session is not None:
             started, lag_before = time.monotonic(), _lag_s()
@@ -344,6 +341,9 @@ class Watcher:
                             self._client.rank)
                 self._client.relay_unreachable(session)
             call_s = max(0.1, call_s - (time.monotonic() - started))
+        # Why the client's channel, and only now: one connection per rank, shared with its Session
+        # stream; a rank whose heartbeats ride its relay's stream never opens one to the coordinator.
+        stub = pb_grpc.CoordinatorStub(self._client.aio_channel())
         reply: pb.HeartbeatResponse = await stub.Heartbeat(request, timeout=call_s, metadata=self._client.metadata)
         return reply
 
