@@ -747,6 +747,8 @@ def summary(report: dict[str, Any]) -> dict[tuple[int, str], dict[str, Any]]:
                 cell.setdefault(key, []).append(res[key])
         if res["status"] == "ok" and res.get("server_cpu_s") is not None:
             cell.setdefault("cpu_per_op_us", []).append(res["server_cpu_s"] / rank_operations(res) * 1e6)
+        for phase, seconds in (res.get("ranks_cpu_by_phase_s") or {}).items():
+            cell.setdefault(f"ranks_cpu_{phase}", []).append(seconds)
     return out
 
 
@@ -795,22 +797,25 @@ def row(world: int, peer: str, cell: dict[str, Any]) -> str:
             f"| {spread_ms(cell.get('t1_s'))} | {median_ms(cell.get('gate_release_s'))} "
             f"| {spread_ms(cell.get('t2_s'))} | {peak} "
             f"| {median_of(cell.get('idle_growth_mb'), '{:+.1f}')} | {median_of(cell.get('server_cpu_s'), '{:.2f}')} "
-            f"| {median_of(cell.get('cpu_per_op_us'), '{:.0f}')} | {status_of(cell)} |")
+            f"| {median_of(cell.get('cpu_per_op_us'), '{:.0f}')} "
+            f"| {' / '.join(median_of(cell.get('ranks_cpu_' + p), '{:.2f}') for p in ('connect', 't1', 'barriers'))} "
+            f"| {status_of(cell)} |")
 
 
 def markdown(report: dict[str, Any]) -> str:
     cells = summary(report)
     lines = [
         "| N | peer | connect ms | T1 ms median [min..max] | of which gate ms | T2 ms median [min..max] "
-        "| server peak RSS MB (start) | RSS growth over idle MB | server CPU s | server CPU us per rank-op | status |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| server peak RSS MB (start) | RSS growth over idle MB | server CPU s | server CPU us per rank-op "
+        "| rank processes' CPU s: connect / T1 / barriers | status |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for world in sorted(report["ranks"]):
         for peer in sorted(report["peers"], key=PEER_NAMES.index):
             if (world, peer) not in cells:
                 failed_at = [w for (w, p), c in cells.items() if p == peer and w < world and c["dropped"]]
                 why = f"not run (failed at {min(failed_at)} ranks)" if failed_at else "not run"
-                lines.append(f"| {world} | {peer} |" + " – |" * 8 + f" {why} |")
+                lines.append(f"| {world} | {peer} |" + " – |" * 9 + f" {why} |")
                 continue
             lines.append(row(world, peer, cells[world, peer]))
     worlds = sorted({w for w, _ in cells})
@@ -906,7 +911,8 @@ def section(report: dict[str, Any], png: str | None) -> str:
         "figures: peak RSS (VmHWM) with the RSS after start in brackets, "
         f"RSS change over {report['runs'][0].get('idle_s', 0) if report['runs'] else 0:g} s idle with every "
         "client connected, CPU seconds from start to the last barrier, and that CPU per rank-operation "
-        "(each rank's join, blob and barriers).",
+        "(each rank's join, blob and barriers). The rank processes' CPU (clients, and gridcomm's relays, "
+        "all processes together) in each phase: on 2 cores, with the server's, it bounds each phase's time.",
         "",
         f"gridcomm's figures are from commit **{listed(report['gridcomm'])}**; earlier runs are in git history.",
         "",

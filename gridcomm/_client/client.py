@@ -343,6 +343,8 @@ class CoordinatorClient:
         why = "it was not listening"
         backoff = 0.1
         while (left := until - time.monotonic()) > 0:
+            if self._closed:
+                raise CommAborted(f"{what}: this client was closed.")
             self.relay_target = target
             # Why wait for the connection rather than try and sleep: gRPC dials a relay that is not
             # listening yet again on its own, every RELAY_RECONNECT_MAX_MS at most, and the join
@@ -384,6 +386,10 @@ class CoordinatorClient:
             return True
         except (asyncio.TimeoutError, concurrent.futures.TimeoutError):
             future.cancel()
+            return False
+        except Exception as exc:  # noqa: BLE001 - the channel was closed meanwhile (the client was)
+            log.debug("rank %d: waiting for the relay at %s: %r", self.rank, self.relay_target, exc)
+            time.sleep(0.1)
             return False
 
     def recover(self, mode: str, timeout_s: float | None = None) -> int:
