@@ -82,7 +82,35 @@ def test_a_waiting_rank_says_who_it_waits_for_and_where_on_stderr():
 
     no_answer = [line for line in lost.stderr.splitlines() if "no answer from the coordinator" in line]
     assert len(no_answer) == 1 and f"127.0.0.1:{dead_port}" in no_answer[0], lost.stderr
+    assert "ran" not in no_answer[0].split("gives up after")[1], no_answer  # its loop kept up: no blame
     assert lost.stdout.startswith("ERROR CoordinatorUnavailable"), lost.stdout + lost.stderr
+
+
+STARVED = """
+import time, gridcomm
+from gridcomm._runtime import loop
+# This process's loop, which reads the answers, is held for 8 s of the join's first 10 (a process
+# starved of CPU, as 128 processes of 128 simulated ranks each were on 2 cores). Why the pause
+# first: the loop's lag meter starts on the loop, and must be ticking before the loop is held.
+running = loop.loop()
+time.sleep(0.3)
+running.call_soon_threadsafe(lambda: [time.sleep(0.5) for _ in range(16)])
+try:
+    gridcomm.init_process_group(2, 1, backend="host", host="127.0.0.1", port={port})
+except gridcomm.GridcommError as exc:
+    print("ERROR", type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_whose_own_loop_ran_behind_says_so_when_no_answer_came():
+    """No answer from the coordinator is not always the coordinator's doing: the waiting rank's
+    own process may not have had the CPU to read one. Its message says how far behind it ran."""
+    lost = run_py(STARVED.format(port=free_port()), {"GRIDCOMM_TIMEOUT_S": "12", "GRIDCOMM_BIND": "127.0.0.1"}, 45)
+    no_answer = [line for line in lost.stderr.splitlines() if "no answer from the coordinator" in line]
+    assert len(no_answer) == 1, lost.stderr
+    assert "background loop, which reads the answers, ran" in no_answer[0] and "short of CPU" in no_answer[0], \
+        no_answer[0]
 
 
 REFUSED = """

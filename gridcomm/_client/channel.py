@@ -39,9 +39,6 @@ _SERVICE_CONFIG = json.dumps(
 #: after it listens at most; at 1 s the ranks of a 2,048-rank job found theirs 1.0-1.9 s after
 #: the last one listened. An attempt at a port nobody listens on costs a refused connect.
 RELAY_RECONNECT_MAX_MS = 250
-#: The first of those gaps (it grows 1.6-fold an attempt): ranks that start together with their
-#: relay's host find the relay the moment it listens.
-RELAY_RECONNECT_FIRST_MS = 20
 
 
 def channel_options(retries: bool = True, *, relay: bool = False) -> list[tuple[str, Any]]:
@@ -50,8 +47,7 @@ def channel_options(retries: bool = True, *, relay: bool = False) -> list[tuple[
     carries Session streams only (never retried by the channel: see _SERVICE_CONFIG), so it has no
     retry policy either (parsing it cost as much as the rest of making a channel)."""
     if relay:
-        return [(k, RELAY_RECONNECT_MAX_MS if k == "grpc.max_reconnect_backoff_ms" else
-                 RELAY_RECONNECT_FIRST_MS if k == "grpc.initial_reconnect_backoff_ms" else v)
+        return [(k, RELAY_RECONNECT_MAX_MS if k == "grpc.max_reconnect_backoff_ms" else v)
                 for k, v in channel_options(False)]
     if not retries:
         return [o for o in channel_options() if o[0] not in ("grpc.enable_retries", "grpc.service_config")] + [

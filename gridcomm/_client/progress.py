@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from gridcomm._errors import RendezvousTimeout
+from gridcomm._runtime import loop as _eventloop
 from gridcomm._wire import without_repeat
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class Wait:
         self._started = started
         self._progress = progress
         self._speak_at = started + FIRST_S
+        #: This process's background loop lag when the wait began (see _starved).
+        self._lag_then = _eventloop.lag_s()
 
     def slice_ended(self, timeout: RendezvousTimeout, answered: bool) -> None:
         """A slice ended without completion; ``answered``: the coordinator has answered this wait."""
@@ -62,8 +65,8 @@ class Wait:
         missing = list(timeout.missing_ranks)
         if not answered:
             log.log(level, "%s: no answer from the coordinator at %s for %.0f s; is rank 0 (or `gridcomm serve`) "
-                    "running there, and does the name resolve? (still trying; gives up after %.0f s)",
-                    self._what, self._target, elapsed, self._total)
+                    "running there, and does the name resolve? (still trying; gives up after %.0f s)%s",
+                    self._what, self._target, elapsed, self._total, self._starved(elapsed))
             return
         details = timeout.details
         refusal = ""
@@ -73,6 +76,18 @@ class Wait:
         log.log(level, "%s: %s (%.0f s so far, at the coordinator %s; gives up after %.0f s)%s%s",
                 self._what, self._progress(missing), elapsed, self._target, self._total, refusal,
                 _hint(missing, details))
+
+
+    def _starved(self, elapsed: float) -> str:
+        """What to add when this process, not the coordinator, is why no answer came: its
+        background loop (which reads every answer) ran behind for a good part of the wait. At
+        16,384 simulated ranks on 2 cores the coordinator was up and idle while its ranks said
+        it did not answer."""
+        behind = _eventloop.lag_s() - self._lag_then
+        if behind < max(1.0, elapsed / 4):
+            return ""
+        return (f"; this process's background loop, which reads the answers, ran {behind:.0f} s behind "
+                "meanwhile: is this process short of CPU?")
 
 
 def timed_out(what: str, total_s: float, timeout: RendezvousTimeout) -> RendezvousTimeout:
