@@ -6,7 +6,9 @@ the relay, gRPC's) and the wall time, medians over ``--reps`` fresh processes.
 
 ``--prestart``: the relay is started before the join stage (the relay's host constructed it
 earlier), so the join stage measures the join alone; without it the members race their relay's
-start, as the pods of one job do.
+start, as the pods of one job do. ``--relay-late-s S``: the relay's host joins S seconds into the
+join stage (its pod started later than the others'); the join stage's wall time less S is how long
+the members took to find the relay and join once it listened.
 
     python benchmarks/join_cost.py --ranks 64 --reps 5 [--prestart]
 
@@ -29,7 +31,7 @@ import time
 STAGES = ("construct", "join", "barrier")
 
 
-def one_run(k: int, prestart: bool, barriers: int) -> dict[str, object]:
+def one_run(k: int, prestart: bool, barriers: int, relay_late_s: float = 0.0) -> dict[str, object]:
     os.environ.setdefault("GRIDCOMM_RELAY", "on")
     os.environ["GRIDCOMM_RELAY_FANIN"] = str(k)
     os.environ["GRIDCOMM_RELAY_ADDRESSES"] = "127.0.0.1:2{group:04d}"
@@ -59,6 +61,8 @@ def one_run(k: int, prestart: bool, barriers: int) -> dict[str, object]:
                     client._tree()  # the leader starts its relay now; the others learn where it is
                 gate.wait()
                 gate.wait()
+                if i == 0 and relay_late_s:
+                    time.sleep(relay_late_s)
                 client.join()
                 gate.wait()
                 gate.wait()
@@ -100,22 +104,25 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--barriers", type=int, default=20)
     ap.add_argument("--prestart", action="store_true", help="start the relay before the join stage")
+    ap.add_argument("--relay-late-s", type=float, default=0.0, help="the relay's host joins this late")
     ap.add_argument("--_one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._one:
-        print(json.dumps(one_run(args.ranks, args.prestart, args.barriers)))
+        print(json.dumps(one_run(args.ranks, args.prestart, args.barriers, args.relay_late_s)))
         return 0
     runs = []
     for _ in range(args.reps):
-        cmd = [sys.executable, __file__, "--_one", "--ranks", str(args.ranks), "--barriers", str(args.barriers)]
+        cmd = [sys.executable, __file__, "--_one", "--ranks", str(args.ranks), "--barriers", str(args.barriers),
+               "--relay-late-s", str(args.relay_late_s)]
         done = subprocess.run(cmd + (["--prestart"] if args.prestart else []), capture_output=True, text=True,
                               timeout=300)
         if done.returncode:
             print(done.stderr[-2000:], file=sys.stderr)
             return 1
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    print(f"{args.ranks} ranks in one process, relay {'started before the join' if args.prestart else 'started by the join'}, "
-          f"{args.reps} runs (median [min-max]):")
+    late = f", {args.relay_late_s:g} s late" if args.relay_late_s else ""
+    print(f"{args.ranks} ranks in one process, relay {'started before the join' if args.prestart else 'started by the join'}"
+          f"{late}, {args.reps} runs (median [min-max]):")
     for stage in STAGES:
         for key, unit in (("cpu_us_per_rank", "us CPU per rank"), ("wall_ms", "ms wall")):
             values = sorted(r[stage][key] for r in runs)
