@@ -77,7 +77,6 @@ class Wait:
                 self._what, self._progress(missing), elapsed, self._target, self._total, refusal,
                 _hint(missing, details))
 
-
     def _starved(self, elapsed: float) -> str:
         """What to add when this process, not the coordinator, is why no answer came: its
         background loop (which reads every answer) ran behind for a good part of the wait. At
