@@ -741,3 +741,54 @@ def test_the_default_budget_is_a_quarter_of_the_shipped_coordinator_pod_and_grow
     state.fail(1, "gone", reported_by=-1, now=2.0)
     state.join("job", 0, 2, 100, "h", now=3.0, base=1, mode="shrink")  # a recovery starts with nothing
     assert state.generation == 2 and state._state_bytes() == 0 and state.pending_barrier_count == 0
+
+
+def _barrier_view(state: JobState) -> list[tuple]:
+    """Everything a barrier's record says, per name, for comparing two states."""
+    return sorted((name, b.members, None if b.arrived is None else list(b.arrived), b.completed, b.count_next,
+                   b.waiting_since, b.last_wait_s, b.cost) for name, b in state.barriers.items())
+
+
+def _outcome(state: JobState, many: bool, name: str, ranks: list[int], seq: int, now: float,
+             group: tuple[int, ...]) -> tuple:
+    try:
+        if many:
+            return ("ok", state.arrive_many(name, ranks, seq, now, group))
+        return ("ok", [state.arrive(name, r, seq, now, group) for r in ranks][-1])
+    except StateError as exc:
+        return ("refused", exc.code, str(exc))
+
+
+def test_an_aggregates_arrivals_in_one_pass_are_each_ranks_arrival_in_turn():
+    """arrive_many (a relay's aggregate) against arrive() rank by rank on a twin state: the same
+    answers, the same refusals, the same records, over random aggregates with repeats, skips,
+    groups, ranks outside the group, completions in the middle and a budget that drops passed
+    barriers. The reference is arrive(), which the tests above pin down."""
+    import random
+
+    rng = random.Random(24)
+    world = 12
+    limits = Limits(max_state_bytes=0, state_bytes_per_rank=500, barrier_retain_s=0.0, max_pending_barriers=3)
+    one, many = (JobState(world, "job", now=0.0, limits=limits) for _ in range(2))
+    for state in (one, many):
+        for r in range(world):
+            state.join("job", r, world, incarnation=100 + r, hostname=f"h{r}", now=0.0)
+    names, groups = ["a", "b", "c", "d"], [(), (), tuple(range(0, world, 2)), (1, 2, 3, 5, 8)]
+    fast = 0
+    for step in range(3_000):
+        now = step * 0.01
+        pick = rng.randrange(len(names))
+        name, group = names[pick], groups[pick if rng.random() < 0.95 else rng.randrange(len(groups))]
+        seen = one.barriers.get(name)
+        base = seen.completed if seen is not None else 0
+        seq = max(1, base + rng.choice((0, 1, 1, 1, 1, 2)))
+        pool = list(group or range(world)) + ([rng.randrange(world)] if rng.random() < 0.2 else [])
+        ranks = rng.sample(pool, rng.randint(1, len(pool)))
+        results = [_outcome(one, False, name, ranks, seq, now, group),
+                   _outcome(many, True, name, ranks, seq, now, group)]
+        assert results[0] == results[1], (step, name, group, seq, ranks)
+        assert _barrier_view(one) == _barrier_view(many), (step, name, group, seq, ranks)
+        assert list(one.pending_barriers(now)) == list(many.pending_barriers(now))
+        fast += results[0][0] == "ok" and len(ranks) > 2
+    assert fast > 500  # most aggregates were answered, so the one-pass path ran
+    assert one._forgotten > 0  # passed barriers were dropped for room, and names came back

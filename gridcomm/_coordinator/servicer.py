@@ -563,8 +563,8 @@ class Servicer:
         # at the caller's seq: the instances before it completed long ago, nobody waits there.
         before = barrier.completed if barrier is not None else max(0, seq - 1)
         completed = state.arrive(name, member.rank, seq, now, request.participants)
-        for other in also:  # a relay's aggregate: the same arrival by its other ranks
-            completed = state.arrive(name, other, seq, now, request.participants)
+        if also:  # a relay's aggregate: the same arrival by its other ranks
+            completed = state.arrive_many(name, also, seq, now, request.participants)
         barrier = state.barriers[name]
         if completed > before:
             for done_seq in range(before + 1, completed + 1):

@@ -25,7 +25,7 @@ import collections
 import dataclasses
 import sys
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from gridcomm._coordinator.state.common import (
     INVALID_ARGUMENT,
@@ -180,6 +180,32 @@ class Barriers(StateBase):
                 else:
                     self._pass(barrier, now)
         return barrier.completed
+
+    def arrive_many(self, name: str, ranks: Iterable[int], seq: int, now: float,
+                    participants: Sequence[int] = ()) -> int:
+        """arrive() for each of ``ranks`` in order (the other ranks of a relay's aggregate): the
+        same records, the same answer, the same refusals. Why a loop of its own: it runs for every
+        rank of every aggregate. Once one arrive() here has checked what is the same for all of
+        them (the name, the job's failure, the seq's range, the group), a next rank's first
+        arrival at an instance that it does not complete is counted in a few steps; any other
+        arrival (a repeat, a skip, a rank outside the group, the completing one) takes arrive()."""
+        completed = 0
+        checked = False
+        for rank in ranks:
+            if checked:
+                barrier = self.barriers.get(name)
+                arrived = barrier.arrived if barrier is not None else None
+                if barrier is not None and arrived is not None and seq == barrier.completed + 1 \
+                        and barrier.count_next + 1 < len(arrived):
+                    pos = self._position(barrier.members, rank)
+                    if pos >= 0 and arrived[pos] == seq - 1:
+                        arrived[pos] = seq
+                        barrier.count_next += 1
+                        completed = barrier.completed
+                        continue
+            completed = self.arrive(name, rank, seq, now, participants)
+            checked = True
+        return completed
 
     def _open(self, barrier: _Barrier, rank: int, now: float) -> array.array[int]:
         """Makes a new or passed barrier pending (``rank``'s arrival is the first at its next
