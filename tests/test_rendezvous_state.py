@@ -792,3 +792,30 @@ def test_an_aggregates_arrivals_in_one_pass_are_each_ranks_arrival_in_turn():
         fast += results[0][0] == "ok" and len(ranks) > 2
     assert fast > 500  # most aggregates were answered, so the one-pass path ran
     assert one._forgotten > 0  # passed barriers were dropped for room, and names came back
+
+
+def test_a_group_barrier_checks_its_group_when_it_opens_not_at_every_arrival(monkeypatch):
+    """A split's barrier names its group at every arrival; checking the group is O(its size),
+    so it is checked when the barrier opens, and a later arrival naming another group, a bad
+    group, or a rank outside it is still refused."""
+    state = joined(64)
+    group = tuple(range(0, 64, 2))
+    checks = []
+    real = JobState._participants
+
+    def counted(self, name, rank, participants):
+        checks.append(rank)
+        return real(self, name, rank, participants)
+
+    monkeypatch.setattr(JobState, "_participants", counted)
+    for seq in (1, 2, 3):
+        for rank in group:
+            state.arrive("split", rank, seq, now=float(seq), participants=group)
+    assert state.barriers["split"].completed == 3
+    assert len(checks) == 1  # the first arrival opened it; 95 more arrivals named the same group
+    with pytest.raises(StateError, match="opened for"):
+        state.arrive("split", 0, 4, now=4.0, participants=tuple(range(0, 64, 4)))
+    with pytest.raises(StateError, match="participants must be distinct"):
+        state.arrive("split", 0, 4, now=4.0, participants=(2, 0))
+    with pytest.raises(StateError, match="not a participant"):
+        state.arrive("split", 1, 4, now=4.0, participants=group)
