@@ -433,14 +433,14 @@ class JobState(Liveness, Barriers, KeyValue):
         ranks. Why a loop of its own: it runs for every rank of every aggregate; a rank that is
         joined as this process takes the short path, and any other gets check_caller's answer."""
         members, left, seen = self.members, MemberState.LEFT, self.seen
-        # Why lists first: zip over two Protobuf repeated fields costs more than the checks.
-        ranks, incarnations = list(ranks), list(incarnations)
+        out = []
         for rank, incarnation in zip(ranks, incarnations, strict=True):
             member = members.get(rank)
             if member is None or member.incarnation != incarnation or member.state is left:
                 member = self.check_caller(job_id, rank, incarnation, generation, what)
             seen(member, now)
-        return ranks
+            out.append(rank)
+        return out
 
     def relayed_members(self, job_id: str, ranks: Iterable[int], incarnations: Iterable[int],
                         generations: Iterable[int]) -> list[Member | None]:
