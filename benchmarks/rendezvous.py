@@ -351,15 +351,34 @@ def proc_stats(pid: int) -> dict[str, float]:
     return out
 
 
+def listen_overflows() -> int | None:
+    """How many connections this network namespace's listen queues have dropped so far (TcpExt
+    ListenOverflows: a connect that arrived while its listener's accept queue was full, and waits
+    out a SYN retry of 1-3 s); None where the kernel does not say."""
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return None
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:"):
+            found = dict(zip(names.split()[1:], values.split()[1:], strict=False))
+            return int(found["ListenOverflows"]) if "ListenOverflows" in found else None
+    return None
+
+
 # --------------------------------------------------------------------------- one run (driver)
-def ranks_cpu_s(procs: list[Any]) -> float:
-    """CPU seconds of every rank process so far, together (0 for one that has exited)."""
+def ranks_cpu_s(procs: list[Any], each: dict[int, float] | None = None) -> float:
+    """CPU seconds of every rank process so far, together (0 for one that has exited); ``each``,
+    if given, gets every process's own, by pid."""
     total = 0.0
     for p in procs:
         try:
-            total += proc_stats(p.pid)["cpu_s"]
+            cpu = proc_stats(p.pid)["cpu_s"]
         except OSError:
-            pass
+            continue
+        total += cpu
+        if each is not None:
+            each[p.pid] = cpu
     return total
 
 
@@ -470,6 +489,7 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
     try:
         time.sleep(0.2)  # let the server settle before its baseline is read
         base = proc_stats(server.pid)
+        overflows_before = listen_overflows()
         result["server_start_mb"] = base["rss_mb"]
         peer = PEERS[peer_name]()
         peer.load()
@@ -492,6 +512,7 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
         opened: dict[str, float] = {}
         phase_cpu: dict[str, float] = {}  # the server's CPU seconds when each phase opened
         ranks_cpu: dict[str, float] = {}  # the rank processes' CPU seconds, all together, likewise
+        each_at_t2: dict[int, float] = {}  # each rank process's CPU seconds when the barriers began
         idle_end_cpu_s = 0.0  # the server's CPU seconds at the end of the idle period
         latest: dict[str, float] = {}
         woke: dict[str, float] = {}
@@ -542,11 +563,21 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
                     "barriers": round(end["cpu_s"] - phase_cpu["t2"], 3)}
                 # The same for the rank processes (clients, and relays where the peer has them):
                 # on 2 cores, theirs and the server's together bound each phase's time.
-                ranks_end = ranks_cpu_s(procs)
+                each_end: dict[int, float] = {}
+                ranks_end = ranks_cpu_s(procs, each_end)
                 result["ranks_cpu_by_phase_s"] = {
                     "connect": round(ranks_cpu["t1"] - ranks_cpu["go"], 3),
                     "t1": round(ranks_cpu["t2"] - ranks_cpu["t1"], 3),
                     "barriers": round(ranks_end - ranks_cpu["t2"], 3)}
+                # The busiest rank process in the barriers: with a relay tree, one that hosts a
+                # relay (its relay shares it with its rank threads, so this bounds the relay's).
+                spent = sorted((round(cpu - each_at_t2.get(pid, cpu), 3) for pid, cpu in each_end.items()),
+                               reverse=True)
+                result["rank_processes_barriers_cpu_s"] = spent  # each process's, the busiest first
+                result["busiest_rank_process_barriers_cpu_s"] = spent[0] if spent else 0.0
+                overflows_after = listen_overflows()
+                if overflows_before is not None and overflows_after is not None:
+                    result["listen_overflows"] = overflows_after - overflows_before
                 # Idle: every client connected and heartbeating, nothing else: liveness's own cost.
                 idle_end_cpu_s = idle["cpu_s"]
                 result.update(server_peak_mb=idle["hwm_mb"], server_cpu_s=end["cpu_s"] - base["cpu_s"],
@@ -554,7 +585,7 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
                               server_idle_cpu_s=round(idle["cpu_s"] - end["cpu_s"], 3))
             opened[phase] = time.monotonic()
             phase_cpu[phase] = proc_stats(server.pid)["cpu_s"]
-            ranks_cpu[phase] = ranks_cpu_s(procs)
+            ranks_cpu[phase] = ranks_cpu_s(procs, each_at_t2 if phase == "t2" else None)
             os.close(gates[phase][1])
             if phase == "t1":
                 result["connect_s"] = latest["t1"] - opened["go"]
@@ -749,6 +780,9 @@ def summary(report: dict[str, Any]) -> dict[tuple[int, str], dict[str, Any]]:
             cell.setdefault("cpu_per_op_us", []).append(res["server_cpu_s"] / rank_operations(res) * 1e6)
         for phase, seconds in (res.get("ranks_cpu_by_phase_s") or {}).items():
             cell.setdefault(f"ranks_cpu_{phase}", []).append(seconds)
+        for key in ("busiest_rank_process_barriers_cpu_s", "listen_overflows"):
+            if res.get(key) is not None:
+                cell.setdefault(key, []).append(res[key])
     return out
 
 
@@ -799,6 +833,8 @@ def row(world: int, peer: str, cell: dict[str, Any]) -> str:
             f"| {median_of(cell.get('idle_growth_mb'), '{:+.1f}')} | {median_of(cell.get('server_cpu_s'), '{:.2f}')} "
             f"| {median_of(cell.get('cpu_per_op_us'), '{:.0f}')} "
             f"| {' / '.join(median_of(cell.get('ranks_cpu_' + p), '{:.2f}') for p in ('connect', 't1', 'barriers'))} "
+            f"| {median_of(cell.get('busiest_rank_process_barriers_cpu_s'), '{:.2f}')} "
+            f"| {median_of(cell.get('listen_overflows'), '{:.0f}')} "
             f"| {status_of(cell)} |")
 
 
@@ -807,15 +843,16 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "| N | peer | connect ms | T1 ms median [min..max] | of which gate ms | T2 ms median [min..max] "
         "| server peak RSS MB (start) | RSS growth over idle MB | server CPU s | server CPU us per rank-op "
-        "| rank processes' CPU s: connect / T1 / barriers | status |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| rank processes' CPU s: connect / T1 / barriers | busiest rank process's CPU s in the barriers "
+        "| listen overflows | status |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for world in sorted(report["ranks"]):
         for peer in sorted(report["peers"], key=PEER_NAMES.index):
             if (world, peer) not in cells:
                 failed_at = [w for (w, p), c in cells.items() if p == peer and w < world and c["dropped"]]
                 why = f"not run (failed at {min(failed_at)} ranks)" if failed_at else "not run"
-                lines.append(f"| {world} | {peer} |" + " – |" * 9 + f" {why} |")
+                lines.append(f"| {world} | {peer} |" + " – |" * 11 + f" {why} |")
                 continue
             lines.append(row(world, peer, cells[world, peer]))
     worlds = sorted({w for w, _ in cells})
@@ -912,7 +949,10 @@ def section(report: dict[str, Any], png: str | None) -> str:
         f"RSS change over {report['runs'][0].get('idle_s', 0) if report['runs'] else 0:g} s idle with every "
         "client connected, CPU seconds from start to the last barrier, and that CPU per rank-operation "
         "(each rank's join, blob and barriers). The rank processes' CPU (clients, and gridcomm's relays, "
-        "all processes together) in each phase: on 2 cores, with the server's, it bounds each phase's time.",
+        "all processes together) in each phase: on 2 cores, with the server's, it bounds each phase's time. "
+        "The busiest rank process's CPU in the barriers bounds the busiest relay's (gridcomm's relay shares its "
+        "process with rank threads). Listen overflows: connects the network namespace's listen queues dropped "
+        "during the run (each waits out a SYN retry).",
         "",
         f"gridcomm's figures are from commit **{listed(report['gridcomm'])}**; earlier runs are in git history.",
         "",
