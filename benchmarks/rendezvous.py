@@ -367,19 +367,15 @@ def listen_overflows() -> int | None:
 
 
 # --------------------------------------------------------------------------- one run (driver)
-def ranks_cpu_s(procs: list[Any], each: dict[int, float] | None = None) -> float:
-    """CPU seconds of every rank process so far, together (0 for one that has exited); ``each``,
-    if given, gets every process's own, by pid."""
-    total = 0.0
+def ranks_cpu_s(procs: list[Any]) -> dict[int, float]:
+    """CPU seconds of each rank process so far, by pid (one that has exited is left out)."""
+    each: dict[int, float] = {}
     for p in procs:
         try:
-            cpu = proc_stats(p.pid)["cpu_s"]
+            each[p.pid] = proc_stats(p.pid)["cpu_s"]
         except OSError:
-            continue
-        total += cpu
-        if each is not None:
-            each[p.pid] = cpu
-    return total
+            pass
+    return each
 
 
 def rank_groups(world: int, process_per_rank_max: int = PROCESS_PER_RANK_MAX,
@@ -511,8 +507,7 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
             os.close(read_end)
         opened: dict[str, float] = {}
         phase_cpu: dict[str, float] = {}  # the server's CPU seconds when each phase opened
-        ranks_cpu: dict[str, float] = {}  # the rank processes' CPU seconds, all together, likewise
-        each_at_t2: dict[int, float] = {}  # each rank process's CPU seconds when the barriers began
+        ranks_cpu: dict[str, dict[int, float]] = {}  # each rank process's CPU seconds, likewise
         idle_end_cpu_s = 0.0  # the server's CPU seconds at the end of the idle period
         latest: dict[str, float] = {}
         woke: dict[str, float] = {}
@@ -563,15 +558,15 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
                     "barriers": round(end["cpu_s"] - phase_cpu["t2"], 3)}
                 # The same for the rank processes (clients, and relays where the peer has them):
                 # on 2 cores, theirs and the server's together bound each phase's time.
-                each_end: dict[int, float] = {}
-                ranks_end = ranks_cpu_s(procs, each_end)
+                each_end = ranks_cpu_s(procs)
+                total = {phase: sum(each.values()) for phase, each in ranks_cpu.items()}
                 result["ranks_cpu_by_phase_s"] = {
-                    "connect": round(ranks_cpu["t1"] - ranks_cpu["go"], 3),
-                    "t1": round(ranks_cpu["t2"] - ranks_cpu["t1"], 3),
-                    "barriers": round(ranks_end - ranks_cpu["t2"], 3)}
+                    "connect": round(total["t1"] - total["go"], 3),
+                    "t1": round(total["t2"] - total["t1"], 3),
+                    "barriers": round(sum(each_end.values()) - total["t2"], 3)}
                 # The busiest rank process in the barriers: with a relay tree, one that hosts a
                 # relay (its relay shares it with its rank threads, so this bounds the relay's).
-                spent = sorted((round(cpu - each_at_t2.get(pid, cpu), 3) for pid, cpu in each_end.items()),
+                spent = sorted((round(cpu - ranks_cpu["t2"].get(pid, cpu), 3) for pid, cpu in each_end.items()),
                                reverse=True)
                 result["rank_processes_barriers_cpu_s"] = spent  # each process's, the busiest first
                 result["busiest_rank_process_barriers_cpu_s"] = spent[0] if spent else 0.0
@@ -585,7 +580,7 @@ def drive(peer_name: str, world: int, barriers: int, timeout_s: float, barrier_t
                               server_idle_cpu_s=round(idle["cpu_s"] - end["cpu_s"], 3))
             opened[phase] = time.monotonic()
             phase_cpu[phase] = proc_stats(server.pid)["cpu_s"]
-            ranks_cpu[phase] = ranks_cpu_s(procs, each_at_t2 if phase == "t2" else None)
+            ranks_cpu[phase] = ranks_cpu_s(procs)
             os.close(gates[phase][1])
             if phase == "t1":
                 result["connect_s"] = latest["t1"] - opened["go"]

@@ -204,9 +204,8 @@ class Barriers(StateBase):
         for rank in ranks:
             if checked:
                 barrier = self.barriers.get(name)
-                arrived = barrier.arrived if barrier is not None else None
-                if barrier is not None and arrived is not None and seq == barrier.completed + 1 \
-                        and barrier.count_next + 1 < len(arrived):
+                if barrier is not None and (arrived := barrier.arrived) is not None \
+                        and seq == barrier.completed + 1 and barrier.count_next + 1 < len(arrived):
                     pos = self._position(barrier.members, rank)
                     if pos >= 0 and arrived[pos] == seq - 1:
                         arrived[pos] = seq
