@@ -58,7 +58,18 @@ t0 = time.monotonic()
 try:
     comm.barrier("ready")  # every rank is past the warm-up call before the fault
     print("READY", flush=True)
+    # Why a file per rank too: a rank is past the barrier only once it has read the answer; on a
+    # loaded machine the fault otherwise came while a survivor still waited for that answer, and it
+    # met the fault through that call (its error) rather than as the fault under test.
+    import shutil, tempfile
+    ready = os.path.join(tempfile.gettempdir(), "gridcomm-ready-" + os.environ["GRIDCOMM_PORT"])
+    os.makedirs(ready, exist_ok=True)
+    open(os.path.join(ready, str(rank)), "w").close()
     if rank == int(os.environ["VICTIM"]):
+        until = time.monotonic() + 30
+        while len(os.listdir(ready)) < world and time.monotonic() < until:
+            time.sleep(0.01)
+        shutil.rmtree(ready, ignore_errors=True)
         ACTION
     comm.all_reduce(x, x)   # the survivors wait here for the victim
     comm.barrier()
