@@ -7,10 +7,10 @@ all N have. Messages are raw bytes (no protobuf) and the server does nothing els
 costs is gRPC's share of a barrier: server CPU per rank-operation and wall time per barrier.
 
     python benchmarks/grpc_floor.py --ranks 512 --barriers 100
-    python benchmarks/grpc_floor.py --ranks 512 --server tcp     # asyncio sockets, no gRPC
+    python benchmarks/grpc_floor.py --ranks 512 --servers tcp     # asyncio sockets, no gRPC
 
-Compare with gridcomm's coordinator in the same run: ``--gridcomm`` runs gridcomm's own
-clients and coordinator through the same harness (barriers only, one Session stream per rank).
+The default (``--servers grpc,tcp,gridcomm``) also runs gridcomm's own clients and coordinator
+through the same harness in the same run (barriers only, one Session stream per rank).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ import math
 import multiprocessing
 import os
 import platform
+import re
 import select
 import shlex
 import shutil
@@ -949,9 +950,9 @@ def section(report: dict[str, Any], png: str | None) -> str:
         "process with rank threads). Listen overflows: connects the network namespace's listen queues dropped "
         "during the run (each waits out a SYN retry).",
         "",
-        f"gridcomm's figures are from commit **{listed(report['gridcomm'])}**; earlier runs are in git history.",
+        f"gridcomm's figures are from {measured_library(report)}; earlier runs are in git history.",
         "",
-        f"- command: {listed(report['command'], code=True)}",
+        f"- command: {listed(public_command(report['command']), code=True)}",
         f"- machine: {listed(report['machine'])}; shared with other work while it ran, hence medians and min..max",
         f"- versions: {listed(report['versions'])}",
         f"- date: {listed(report['date'])}",
@@ -965,6 +966,50 @@ def section(report: dict[str, Any], png: str | None) -> str:
         body += [f"![T1 and T2 against N, log-log]({png})", ""]
     body.append(SECTION_END)
     return "\n".join(body)
+
+
+def public_command(command: str | list[str]) -> str | list[str]:
+    """A run's command as BENCHMARKS.md shows it: without where its raw results went (``--json``,
+    ``--from-json``: files of the person who ran it, often temporary) and with a commit hash given
+    to ``--gridcomm-rev`` as ``REV``, so the document holds no temporary path and no commit hash
+    (git history has both)."""
+    if isinstance(command, list):
+        return [str(public_command(c)) for c in command]
+    argv, out = shlex.split(command), []
+    dropped = ("--json", "--from-json")
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in dropped:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    for i, arg in enumerate(out):
+        # A revision by name (HEAD, a branch) says nothing dated; a commit's hash is history.
+        if arg.startswith("--gridcomm-rev="):
+            out[i] = "--gridcomm-rev=" + as_rev(arg.split("=", 1)[1])
+        elif i and out[i - 1] == "--gridcomm-rev":
+            out[i] = as_rev(arg)
+    return shlex.join(out)
+
+
+def as_rev(rev: str) -> str:
+    return "REV" if re.fullmatch(r"[0-9a-fA-F]{7,40}", rev) else rev
+
+
+def measured_library(report: dict[str, Any]) -> str:
+    """Which gridcomm was measured, in words: the JSON keeps the commit; the document names none."""
+    found = report["gridcomm"] if isinstance(report["gridcomm"], list) else [report["gridcomm"]]
+    commands = report["command"] if isinstance(report["command"], list) else [report["command"]]
+    if any("--gridcomm-rev" in c for c in commands):
+        return "the library as committed at the command's `--gridcomm-rev` when it ran"
+    if any("uncommitted" in p for p in found):
+        return ("the library as committed with this section (`git log -1 -- BENCHMARKS.md`), measured from a working "
+                "tree whose gridcomm/ had changes not yet committed")
+    return "the library as committed with this section (`git log -1 -- BENCHMARKS.md`)"
 
 
 def write_markdown(path: Path, text: str) -> None:

@@ -42,3 +42,28 @@ def test_pool_divides_each_repetition_by_the_same_repetition_of_the_same_run(tmp
     # T1: 0.75, 2.0, 2.0; the rest after the gate: 0.022/0.020 = 1.1, 0.040/0.020 = 2.0, 0.015/0.005 = 3.0.
     assert "| 3 | 2.00x [0.75..2.00] | 1 |" in rows[("512", "torch", "T1")], out
     assert "| 3 | 2.00x [1.10..3.00] | 0 |" in rows[("512", "torch", "T1 after its gate")], out
+
+
+@pytest.mark.timeout(60)
+def test_the_written_section_names_no_commit_and_no_temporary_path(tmp_path):
+    """What --markdown writes into BENCHMARKS.md: the run's command without its --json file and
+    with its revision as REV, no commit hash, and the rest of the file as it was."""
+    runs = [dict(run(512, peer, rep, 0.1, 0.05, 0.01), connect_s=1.0, server_cpu_s=0.2, barriers=20, idle_s=5.0)
+            for peer in ("gridcomm", "torch") for rep in range(3)]
+    report = {"command": "python benchmarks/rendezvous.py --ranks 512 --reps 3 --gridcomm-rev 0badc0de "
+                         "--json /tmp/prof/run.json --plot '' --markdown BENCHMARKS.md",
+              "date": "2026-12-06 05:00 UTC", "machine": "2 cores", "versions": "grpcio 1.83.2",
+              "gridcomm": "b85fcfb", "ranks": [512], "reps": 3, "peers": ["gridcomm", "torch"], "runs": runs}
+    raw = tmp_path / "run.json"
+    raw.write_text(json.dumps(report))
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text("# head\n\n<!-- rendezvous:begin (written by benchmarks/rendezvous.py) -->\nold\n"
+                   "<!-- rendezvous:end -->\n\n## kept\n")
+    subprocess.run([sys.executable, str(BENCH), "--from-json", str(raw), "--plot", "", "--markdown", str(doc)],
+                   capture_output=True, text=True, timeout=50, check=True)
+    text = doc.read_text()
+    assert text.startswith("# head\n\n<!-- rendezvous:begin") and text.endswith("<!-- rendezvous:end -->\n\n## kept\n")
+    assert "old\n" not in text and "| 512 | gridcomm |" in text
+    for leak in ("b85fcfb", "0badc0de", "/tmp/", "run.json"):
+        assert leak not in text, f"{leak!r} in the written section:\n{text}"
+    assert "--gridcomm-rev REV --plot '' --markdown BENCHMARKS.md`" in text, text
