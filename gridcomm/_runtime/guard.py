@@ -293,6 +293,8 @@ class GuardedServer:
         self._serving: asyncio.Future[Any] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._stopping = False
+        #: The stop in progress of each server this guard stopped (see _stop_once).
+        self._stops: dict[int, asyncio.Future[None]] = {}
         self.port = 0
         #: Times the server was found dead and bound again.
         self.restarts = 0
@@ -344,9 +346,21 @@ class GuardedServer:
                       "binding a new server on the same port", self.name, self.port)
             await self._rebind(server)
 
+    def _stop_once(self, server: grpc.aio.Server, grace_s: float | None) -> asyncio.Future[None]:
+        """Stops ``server``, or joins the stop of it already under way. Why: grpcio's shutdown of
+        one server run twice at once (stop() while the watchdog disposes of a dead server) can
+        crash the process in its core; a stop is shielded so that cancelling a waiter leaves it
+        to finish."""
+        stopping = self._stops.get(id(server))
+        if stopping is None:
+            stopping = asyncio.ensure_future(server.stop(grace_s))
+            self._stops[id(server)] = stopping
+            stopping.add_done_callback(lambda _: self._stops.pop(id(server), None))
+        return asyncio.shield(stopping)
+
     async def _rebind(self, dead: grpc.aio.Server) -> None:
         try:
-            await dead.stop(0)
+            await self._stop_once(dead, 0)
         except Exception:  # noqa: BLE001 - the old server is gone either way
             pass
         target = self._target.rsplit(":", 1)[0] + f":{self.port}"
@@ -376,7 +390,7 @@ class GuardedServer:
             self._watchdog.cancel()
         server, self._server = self._server, None
         if server is not None:
-            await server.stop(grace_s)
+            await self._stop_once(server, grace_s)
 
 
 def _consume(task: asyncio.Future[Any]) -> None:
