@@ -265,3 +265,29 @@ def test_use_mpi_is_accepted_as_cupyx_accepts_it_with_a_warning(caplog, monkeypa
     finally:
         comm.stop()
     assert any("use_mpi=True" in r.getMessage() for r in caplog.records)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+def test_the_embedded_coordinator_takes_the_jobs_environment_not_the_processs(monkeypatch):
+    """Rank 0's coordinator settings come from the environment the job was resolved from."""
+    from gridcomm._communicator.process_group import Job
+
+    for name in ("GRIDCOMM_STALL_TIMEOUT_S", "GRIDCOMM_METRICS_LINGER_S", "GRIDCOMM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    env = {"GRIDCOMM_STALL_TIMEOUT_S": "7", "GRIDCOMM_METRICS_LINGER_S": "3", "GRIDCOMM_BIND": "127.0.0.1",
+           "GRIDCOMM_JOB_ID": "passed-down"}
+    job = Job.configure(1, 0, backend="host", host="127.0.0.1", port=_free_port(), timeout_s=30, token=None,
+                        environ=env)
+    comm = job.start()
+    try:
+        assert job.coordinator is not None
+        server = job.coordinator.settings
+        assert (server.stall_timeout_s, server.metrics_linger_s, server.job_id) == (7.0, 3.0, "passed-down")
+    finally:
+        comm.stop()

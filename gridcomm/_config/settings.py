@@ -158,6 +158,9 @@ class Settings:
     nccl: NcclSettings
     #: Which detector named the rank ("gridcomm", "torchrun", ...), or "arguments".
     source: str
+    #: The embedded coordinator's settings where this rank hosts it (rank 0, embedded), from the
+    #: same environment as the rest; else None.
+    coordinator: CoordinatorSettings | None = None
 
     @property
     def rank(self) -> int:
@@ -194,9 +197,18 @@ class Settings:
                 port = info.port if port is None else port
         client = ClientSettings.resolve(host, port, rank, n_devices, token, timeout_s, environ=env,
                                         relay_addresses=info.relay_addresses if info is not None else None)
-        return cls(client=client, backend=readers.backend(backend, env),
-                   embedded=readers.coordinator_mode(env) == "embedded",
-                   heartbeat_timeout_s=readers.heartbeat_timeout_s(None, env), bind=readers.bind_address(None, env),
-                   metrics_port=readers.metrics_port(None, env),
+        embedded = readers.coordinator_mode(env) == "embedded"
+        heartbeat_s = readers.heartbeat_timeout_s(None, env)
+        bind = readers.bind_address(None, env)
+        metrics = readers.metrics_port(None, env)
+        coordinator = None
+        if embedded and client.rank == 0:
+            coordinator = CoordinatorSettings.resolve(
+                client.world_size, bind=bind, port=client.port, token=client.token, job_id=client.job_id,
+                heartbeat_timeout_s=heartbeat_s, tls=client.tls, metrics_port=metrics,
+                call_timeout_s=client.timeout_s, environ=env)
+        return cls(client=client, backend=readers.backend(backend, env), embedded=embedded,
+                   heartbeat_timeout_s=heartbeat_s, bind=bind, metrics_port=metrics,
                    plane=PlaneSettings(data_host=readers.data_host(env), shm=readers.shared_memory(env)),
-                   nccl=NcclSettings.resolve(env), source="arguments" if info is None else info.source)
+                   nccl=NcclSettings.resolve(env), source="arguments" if info is None else info.source,
+                   coordinator=coordinator)
