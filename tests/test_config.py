@@ -291,3 +291,19 @@ def test_the_embedded_coordinator_takes_the_jobs_environment_not_the_processs(mo
         assert (server.stall_timeout_s, server.metrics_linger_s, server.job_id) == (7.0, 3.0, "passed-down")
     finally:
         comm.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_stall_bound_above_the_call_timeout_names_where_that_timeout_came_from(monkeypatch):
+    """timeout_s= is named as the argument, not as GRIDCOMM_TIMEOUT_S (which is not set)."""
+    monkeypatch.delenv("GRIDCOMM_TIMEOUT_S", raising=False)
+    monkeypatch.setenv("GRIDCOMM_STALL_TIMEOUT_S", "60")
+    monkeypatch.setenv("GRIDCOMM_BIND", "127.0.0.1")
+    with pytest.raises(ConfigError) as caught:
+        gridcomm.init_process_group(1, 0, backend="host", host="127.0.0.1", port=_free_port(), timeout_s=10)
+    assert "longer than the call timeout timeout_s=10" in str(caught.value), caught.value
+    assert "GRIDCOMM_TIMEOUT_S" not in str(caught.value), caught.value
+    with pytest.raises(ConfigError, match=re.escape("the call timeout GRIDCOMM_TIMEOUT_S=50")):
+        _config.stall_timeout_s(None, {"GRIDCOMM_STALL_TIMEOUT_S": "60", "GRIDCOMM_TIMEOUT_S": "50"})
+    with pytest.raises(ConfigError, match=re.escape("the call timeout (300 s, the default)")):
+        _config.stall_timeout_s(None, {"GRIDCOMM_STALL_TIMEOUT_S": "400"})

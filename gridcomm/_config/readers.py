@@ -201,13 +201,26 @@ def heartbeat_timeout_s(explicit: float | None = None, environ: Mapping[str, str
     return DEFAULT_HEARTBEAT_TIMEOUT_S if found is None else parse_duration(found[0], found[1])
 
 
+def timeout_source(explicit: float | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """Where the call timeout :func:`timeout_s` returns comes from: ``timeout_s`` (the argument),
+    ``GRIDCOMM_TIMEOUT_S``, or ``""`` (the default), for messages that name it."""
+    if explicit is not None:
+        return "timeout_s"
+    return "" if _first(_env(environ), ("GRIDCOMM_TIMEOUT_S",)) is None else "GRIDCOMM_TIMEOUT_S"
+
+
 def stall_timeout_s(explicit: float | None = None, environ: Mapping[str, str] | None = None, *,
-                    call_timeout_s: float | None = None) -> float:
+                    call_timeout_s: float | None = None, call_timeout_name: str | None = None) -> float:
     """The stall bound: argument, GRIDCOMM_STALL_TIMEOUT_S (``0``: off), then 120 s, or the call
-    timeout (GRIDCOMM_TIMEOUT_S) where that is shorter; a bound above the call timeout is refused
-    (the calls would time out, naming nobody useful, before the stall is named)."""
+    timeout (``call_timeout_s``, else GRIDCOMM_TIMEOUT_S) where that is shorter; a bound above the
+    call timeout is refused (the calls would time out, naming nobody useful, before the stall is
+    named). ``call_timeout_name`` is where ``call_timeout_s`` came from (see timeout_source), so
+    the refusal names the setting to change."""
     env = _env(environ)
-    call_s = timeout_s(None, env) if call_timeout_s is None else call_timeout_s
+    if call_timeout_s is None:
+        call_s, call_name = timeout_s(None, env), timeout_source(None, env)
+    else:
+        call_s, call_name = call_timeout_s, "call_timeout_s" if call_timeout_name is None else call_timeout_name
     if explicit is not None:
         name, value = "stall_timeout_s", parse_duration("stall_timeout_s", explicit, allow_zero=True)
     else:
@@ -216,8 +229,9 @@ def stall_timeout_s(explicit: float | None = None, environ: Mapping[str, str] | 
             return min(DEFAULT_STALL_TIMEOUT_S, call_s)
         name, value = found[0], parse_duration(found[0], found[1], allow_zero=True)
     if value > call_s:
-        raise ConfigError(f"{name}={value:g} is longer than the call timeout GRIDCOMM_TIMEOUT_S={call_s:g}: every "
-                          f"wait would end first, naming nobody; set {name} to at most {call_s:g} (0 turns it off).")
+        shown = f"{call_name}={call_s:g}" if call_name else f"({call_s:g} s, the default)"
+        raise ConfigError(f"{name}={value:g} is longer than the call timeout {shown}: every wait would end first, "
+                          f"naming nobody; set {name} to at most {call_s:g} (0 turns it off).")
     return value
 
 

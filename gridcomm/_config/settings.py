@@ -97,6 +97,7 @@ class CoordinatorSettings:
                 job_id: str | None = None, heartbeat_timeout_s: float | None = None, tls: TlsFiles | None = None,
                 health_port: int | None = None, metrics_port: int | None = None,
                 stall_timeout_s: float | None = None, call_timeout_s: float | None = None,
+                call_timeout_name: str | None = None,
                 environ: Mapping[str, str] | None = None) -> CoordinatorSettings:
         _, requested = readers.coordinator_address("localhost", port, environ)
         return cls(world_size=readers.world_size(world_size), bind=readers.validate_host("bind", bind), port=requested,
@@ -104,7 +105,8 @@ class CoordinatorSettings:
                    job_id=readers.job_id(job_id, environ),
                    heartbeat_timeout_s=readers.heartbeat_timeout_s(heartbeat_timeout_s, environ),
                    health_port=health_port, metrics_port=metrics_port,
-                   stall_timeout_s=readers.stall_timeout_s(stall_timeout_s, environ, call_timeout_s=call_timeout_s),
+                   stall_timeout_s=readers.stall_timeout_s(stall_timeout_s, environ, call_timeout_s=call_timeout_s,
+                                                           call_timeout_name=call_timeout_name),
                    metrics_linger_s=readers.metrics_linger_s(environ))
 
     @classmethod
@@ -206,7 +208,7 @@ class Settings:
             coordinator = CoordinatorSettings.resolve(
                 client.world_size, bind=bind, port=client.port, token=client.token, job_id=client.job_id,
                 heartbeat_timeout_s=heartbeat_s, tls=client.tls, metrics_port=metrics,
-                call_timeout_s=client.timeout_s, environ=env)
+                call_timeout_s=client.timeout_s, call_timeout_name=readers.timeout_source(timeout_s, env), environ=env)
         return cls(client=client, backend=readers.backend(backend, env), embedded=embedded,
                    heartbeat_timeout_s=heartbeat_s, bind=bind, metrics_port=metrics,
                    plane=PlaneSettings(data_host=readers.data_host(env), shm=readers.shared_memory(env)),
