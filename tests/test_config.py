@@ -307,3 +307,57 @@ def test_a_stall_bound_above_the_call_timeout_names_where_that_timeout_came_from
         _config.stall_timeout_s(None, {"GRIDCOMM_STALL_TIMEOUT_S": "60", "GRIDCOMM_TIMEOUT_S": "50"})
     with pytest.raises(ConfigError, match=re.escape("the call timeout (300 s, the default)")):
         _config.stall_timeout_s(None, {"GRIDCOMM_STALL_TIMEOUT_S": "400"})
+
+
+class _ReadsRecorded(dict):
+    """A process environment that records which of gridcomm's variables are looked up."""
+
+    def __init__(self, base, watched):
+        super().__init__(base)
+        self.watched = watched
+        self.read: list[str] = []
+
+    def _note(self, key):
+        if key in self.watched:
+            self.read.append(key)
+
+    def __getitem__(self, key):
+        self._note(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self._note(key)
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self._note(key)
+        return super().__contains__(key)
+
+    def pop(self, key, *default):
+        self._note(key)
+        return super().pop(key, *default)
+
+
+@pytest.mark.timeout(60)
+def test_nothing_reads_the_environment_after_the_job_is_resolved(monkeypatch):
+    """Resolved once: starting the job, its collectives, a split and the stop read no variable of
+    the registry (nor a convention it names) from the process environment."""
+    from gridcomm._communicator.process_group import Job
+
+    monkeypatch.setenv("GRIDCOMM_BIND", "127.0.0.1")
+    monkeypatch.setenv("GRIDCOMM_DEBUG", "collectives")
+    job = Job.configure(1, 0, backend="host", host="127.0.0.1", port=_free_port(), timeout_s=30, token=None)
+    watched = set(registry.BY_NAME) | {c for v in registry.VARIABLES for c in v.conventions}
+    spy = _ReadsRecorded(os.environ, watched)
+    monkeypatch.setattr(os, "environ", spy)
+    comm = job.start()
+    try:
+        x = np.ones(2)
+        comm.all_reduce(x, x)
+        child = comm.split(0)
+        assert child is not None
+        child.all_reduce(x, x)
+        assert comm._tracker.fingerprints and child._tracker.fingerprints
+    finally:
+        comm.stop()
+    assert spy.read == [], f"read after resolve: {sorted(set(spy.read))}"

@@ -119,7 +119,8 @@ class Job:
         # Up before the rendezvous (or earlier: start_health_server), so kubelet's liveness probe
         # passes while ranks gather; readiness waits for the communicator. On rank 0 too: the health
         # port answers for this rank, not for the coordinator it hosts (kubelet restarts a rank, not a coordinator).
-        self.health = _health.process_health() or _health.running()
+        wanted = settings.health_port
+        self.health = (_health.process_health(wanted, settings.bind) if wanted is not None else None) or _health.running()
         if settings.coordinator is not None:
             self.coordinator = Coordinator(settings=settings.coordinator).start()
             # Why: rank 0 dials its own server directly, not through a DNS name that may lag (with
@@ -163,7 +164,8 @@ class Job:
                                  participants=() if everyone else members, failed=lambda: client.failure,
                                  timeout_s=timeout_s, nccl=self.settings.nccl)
 
-        return Communicator(make, client, members=members, job=self)
+        return Communicator(make, client, members=members, job=self,
+                            fingerprints="collectives" in self.settings.debug)
 
     @property
     def grace_s(self) -> float:

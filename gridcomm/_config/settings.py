@@ -163,6 +163,10 @@ class Settings:
     #: The embedded coordinator's settings where this rank hosts it (rank 0, embedded), from the
     #: same environment as the rest; else None.
     coordinator: CoordinatorSettings | None = None
+    #: GRIDCOMM_DEBUG's checks (``collectives``: every communicator of the job fingerprints its calls).
+    debug: frozenset[str] = frozenset()
+    #: GRIDCOMM_HEALTH_PORT: this rank's health port (None: none, unless one was started already).
+    health_port: int | None = None
 
     @property
     def rank(self) -> int:
@@ -213,4 +217,5 @@ class Settings:
                    heartbeat_timeout_s=heartbeat_s, bind=bind, metrics_port=metrics,
                    plane=PlaneSettings(data_host=readers.data_host(env), shm=readers.shared_memory(env)),
                    nccl=NcclSettings.resolve(env), source="arguments" if info is None else info.source,
-                   coordinator=coordinator)
+                   coordinator=coordinator, debug=readers.debug_flags(env),
+                   health_port=readers.health_port(None, env))
