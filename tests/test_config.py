@@ -361,3 +361,26 @@ def test_nothing_reads_the_environment_after_the_job_is_resolved(monkeypatch):
     finally:
         comm.stop()
     assert spy.read == [], f"read after resolve: {sorted(set(spy.read))}"
+
+
+def test_reading_the_token_changes_nothing_and_only_a_resolve_that_succeeds_withholds_it(monkeypatch):
+    """A reader reads; GRIDCOMM_TOKEN leaves the process environment (for its children) once a
+    rank's settings are resolved, never when the resolve fails, never from a mapping passed in."""
+    from gridcomm._config import readers
+
+    monkeypatch.setattr(readers, "_taken_token", None)
+    monkeypatch.setenv("GRIDCOMM_TOKEN", "s3cret")
+    monkeypatch.delenv("GRIDCOMM_TOKEN_INHERIT", raising=False)
+    assert _config.token() == "s3cret"
+    assert os.environ.get("GRIDCOMM_TOKEN") == "s3cret"
+    monkeypatch.setenv("GRIDCOMM_BACKEND", "gloo")
+    with pytest.raises(ConfigError, match="GRIDCOMM_BACKEND"):
+        _config.Settings.resolve(2, 1)
+    assert os.environ.get("GRIDCOMM_TOKEN") == "s3cret"
+    monkeypatch.delenv("GRIDCOMM_BACKEND")
+    assert _config.Settings.resolve(2, 1).client.token == "s3cret"
+    assert "GRIDCOMM_TOKEN" not in os.environ
+    assert _config.token() == "s3cret"  # still this process's secret
+    passed = {"GRIDCOMM_TOKEN": "other"}
+    assert _config.Settings.resolve(2, 1, environ=passed).client.token == "other"
+    assert passed == {"GRIDCOMM_TOKEN": "other"}

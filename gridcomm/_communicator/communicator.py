@@ -135,7 +135,7 @@ class Communicator:
         # Fingerprints (GRIDCOMM_DEBUG=collectives, resolved with the job): as asked, else as the parent's.
         if fingerprints is None:
             fingerprints = parent is not None and parent._tracker.fingerprints
-        self._tracker = Tracker(name, client.generation, fingerprints=fingerprints)
+        self._tracker: Tracker = Tracker(name, client.generation, fingerprints=fingerprints)
         counts_itself = getattr(backend, "counts_itself", False) and not self._tracker.fingerprints
         if counts_itself:
             backend.progress = self._tracker

@@ -248,32 +248,20 @@ def debug_flags(environ: Mapping[str, str] | None = None) -> frozenset[str]:
     return flags
 
 
-#: The token this process read from GRIDCOMM_TOKEN and took out of its environment.
+#: The token :func:`withhold_token` took out of this process's environment.
 _taken_token: str | None = None
 
 
 def token(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
     """The shared secret: argument, GRIDCOMM_TOKEN, then the contents of GRIDCOMM_TOKEN_FILE.
 
-    Read from the process environment, GRIDCOMM_TOKEN is removed from it (and remembered), so
-    the processes the program starts do not inherit the secret, unless GRIDCOMM_TOKEN_INHERIT
-    asks to keep it there. Why: a data loader, a shell-out or a crash reporter would otherwise
-    carry it. ``/proc/PID/environ`` (readable by the same user only) still shows the start-up
-    environment; GRIDCOMM_TOKEN_FILE keeps the secret out of it altogether."""
-    global _taken_token
+    Reads only: a token :func:`withhold_token` took out of the process environment is still
+    this process's (the default ``environ``)."""
     if explicit is not None:
         return validate_token("token", explicit)
     env = _env(environ)
-    if env is os.environ:
-        found = _first(env, ("GRIDCOMM_TOKEN",))
-        if found is None and env.get("GRIDCOMM_TOKEN", "") == "" and _taken_token is not None:
-            return _taken_token
-        if found is not None:
-            value = validate_token(found[0], found[1])
-            if not token_inherited(env):
-                os.environ.pop("GRIDCOMM_TOKEN", None)
-                _taken_token = value
-            return value
+    if env is os.environ and env.get("GRIDCOMM_TOKEN", "") == "" and _taken_token is not None:
+        return _taken_token
     raw = env.get("GRIDCOMM_TOKEN")
     if raw is not None and raw != "" and not raw.strip():
         # Why not "unset": every other setting reads blank as unset, but a secret that is set to
@@ -293,6 +281,24 @@ def token(explicit: str | None = None, environ: Mapping[str, str] | None = None)
         raise ConfigError(f"GRIDCOMM_TOKEN_FILE={found[1]!r} cannot be read: {exc.strerror}; is the file (in "
                           "Kubernetes: the Secret mounted there, with its key) in place?") from exc
     return validate_token("GRIDCOMM_TOKEN_FILE", text)
+
+
+def withhold_token(environ: Mapping[str, str] | None = None) -> None:
+    """Takes GRIDCOMM_TOKEN out of the process environment (``environ`` None or the process's)
+    once its settings are resolved, and remembers it for :func:`token`, unless
+    GRIDCOMM_TOKEN_INHERIT asks to keep it there. Why: the processes the program starts (a data
+    loader, a shell-out, a crash reporter) would otherwise carry the secret. ``/proc/PID/environ``
+    (readable by the same user only) still shows the start-up environment; GRIDCOMM_TOKEN_FILE
+    keeps the secret out of it altogether. The one place gridcomm changes the environment; an
+    ``environ`` mapping passed in is never changed."""
+    global _taken_token
+    env = _env(environ)
+    if env is not os.environ or token_inherited(env):
+        return
+    found = _first(env, ("GRIDCOMM_TOKEN",))
+    if found is not None:
+        _taken_token = validate_token(found[0], found[1])
+        os.environ.pop("GRIDCOMM_TOKEN", None)
 
 
 def validate_token(name: str, value: object) -> str:

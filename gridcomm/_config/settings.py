@@ -52,6 +52,15 @@ class ClientSettings:
                 job_id: str | None = None, tls: TlsFiles | None = None, session: str | None = None,
                 relay: str | None = None, relay_addresses: str | None = None,
                 environ: Mapping[str, str] | None = None) -> ClientSettings:
+        settings = cls._read(host, port, rank, world_size, token, timeout_s, job_id=job_id, tls=tls, session=session,
+                             relay=relay, relay_addresses=relay_addresses, environ=environ)
+        readers.withhold_token(environ)
+        return settings
+
+    @classmethod
+    def _read(cls, host: str | None, port: int | None, rank: int | None, world_size: int | None, token: str | None,
+              timeout_s: float | None, *, job_id: str | None, tls: TlsFiles | None, session: str | None,
+              relay: str | None, relay_addresses: str | None, environ: Mapping[str, str] | None) -> ClientSettings:
         size = readers.world_size(world_size, environ)
         me = readers.rank(rank, size, environ)
         dial_host, dial_port = readers.coordinator_address(host, port, environ)
@@ -116,10 +125,12 @@ class CoordinatorSettings:
         """A standalone coordinator's (``gridcomm serve``): each setting from its command-line
         flag, else the environment (address, secret, TLS, health and metrics ports included)."""
         _, requested = readers.coordinator_address("localhost", port, environ)
-        return cls.resolve(readers.world_size(world_size, environ), readers.bind_address(bind, environ), requested,
-                           readers.token(None, environ), job_id=job_id, tls=readers.tls(environ),
-                           health_port=readers.health_port(None, environ),
-                           metrics_port=readers.metrics_port(metrics_port, environ), environ=environ)
+        settings = cls.resolve(readers.world_size(world_size, environ), readers.bind_address(bind, environ), requested,
+                               readers.token(None, environ), job_id=job_id, tls=readers.tls(environ),
+                               health_port=readers.health_port(None, environ),
+                               metrics_port=readers.metrics_port(metrics_port, environ), environ=environ)
+        readers.withhold_token(environ)
+        return settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,8 +212,9 @@ class Settings:
             if host is None:
                 host = info.host
                 port = info.port if port is None else port
-        client = ClientSettings.resolve(host, port, rank, n_devices, token, timeout_s, environ=env,
-                                        relay_addresses=info.relay_addresses if info is not None else None)
+        client = ClientSettings._read(host, port, rank, n_devices, token, timeout_s, job_id=None, tls=None,
+                                      session=None, relay=None, environ=env,
+                                      relay_addresses=info.relay_addresses if info is not None else None)
         embedded = readers.coordinator_mode(env) == "embedded"
         heartbeat_s = readers.heartbeat_timeout_s(None, env)
         bind = readers.bind_address(None, env)
@@ -213,9 +225,12 @@ class Settings:
                 client.world_size, bind=bind, port=client.port, token=client.token, job_id=client.job_id,
                 heartbeat_timeout_s=heartbeat_s, tls=client.tls, metrics_port=metrics,
                 call_timeout_s=client.timeout_s, call_timeout_name=readers.timeout_source(timeout_s, env), environ=env)
-        return cls(client=client, backend=readers.backend(backend, env), embedded=embedded,
-                   heartbeat_timeout_s=heartbeat_s, bind=bind, metrics_port=metrics,
-                   plane=PlaneSettings(data_host=readers.data_host(env), shm=readers.shared_memory(env)),
-                   nccl=NcclSettings.resolve(env), source="arguments" if info is None else info.source,
-                   coordinator=coordinator, debug=readers.debug_flags(env),
-                   health_port=readers.health_port(None, env))
+        settings = cls(client=client, backend=readers.backend(backend, env), embedded=embedded,
+                       heartbeat_timeout_s=heartbeat_s, bind=bind, metrics_port=metrics,
+                       plane=PlaneSettings(data_host=readers.data_host(env), shm=readers.shared_memory(env)),
+                       nccl=NcclSettings.resolve(env), source="arguments" if info is None else info.source,
+                       coordinator=coordinator, debug=readers.debug_flags(env),
+                       health_port=readers.health_port(None, env))
+        # Last, once every setting is read: a resolve that fails leaves the environment as it was.
+        readers.withhold_token(env)
+        return settings
