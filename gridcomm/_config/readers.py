@@ -72,8 +72,8 @@ def parse_duration(name: str, value: object, *, allow_zero: bool = False) -> flo
 
 
 #: The most ranks one coordinator is started for. Why a bound: a world size comes from the
-#: command line or the environment, and ``gridcomm serve --world-size 1000000000`` died on a
-#: MemoryError; 2**20 is 64 times the largest job measured (16,384 ranks).
+#: command line or the environment, and a coordinator sized for a billion ranks dies on a
+#: MemoryError before it can say why; 2**20 is far above any job gridcomm is built for.
 MAX_WORLD_SIZE = 1 << 20
 
 
