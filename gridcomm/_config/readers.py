@@ -1,5 +1,7 @@
 """One reader per setting, and the only module of gridcomm that touches ``os.environ``; it does
 so at call time (when :mod:`gridcomm._config.settings` resolves a settings object), never at import.
+Readers only read; the one change to the environment is :func:`withhold_token`, at the end of a
+resolve.
 
 Order of precedence for every setting: explicit argument, ``GRIDCOMM_*``, compatible conventions
 (cupyx, torchrun/Kubeflow, Kubernetes Indexed Job), then a default or a :class:`ConfigError` that
