@@ -384,3 +384,31 @@ def test_reading_the_token_changes_nothing_and_only_a_resolve_that_succeeds_with
     passed = {"GRIDCOMM_TOKEN": "other"}
     assert _config.Settings.resolve(2, 1, environ=passed).client.token == "other"
     assert passed == {"GRIDCOMM_TOKEN": "other"}
+
+
+@pytest.mark.timeout(60)
+def test_nothing_reads_the_environment_after_an_external_coordinator_and_its_rank_are_resolved(monkeypatch):
+    """The same for a standalone coordinator (resolved at construction) and a rank dialling it."""
+    from gridcomm._communicator.process_group import Job
+
+    monkeypatch.setenv("GRIDCOMM_COORDINATOR", "external")
+    monkeypatch.setenv("GRIDCOMM_STALL_TIMEOUT_S", "20")
+    server = gridcomm.Coordinator(1, bind="127.0.0.1", port=0, token="t0ken")
+    job_env = {"GRIDCOMM_COORDINATOR": "external", "GRIDCOMM_TOKEN": "t0ken"}
+    watched = set(registry.BY_NAME) | {c for v in registry.VARIABLES for c in v.conventions}
+    spy = _ReadsRecorded(os.environ, watched)
+    monkeypatch.setattr(os, "environ", spy)
+    server.start()
+    try:
+        job = Job.configure(1, 0, backend="host", host="127.0.0.1", port=server.port, timeout_s=30, token=None,
+                            environ=job_env)
+        comm = job.start()
+        try:
+            x = np.ones(2)
+            comm.all_reduce(x, x)
+        finally:
+            comm.stop()
+    finally:
+        server.stop()
+    assert server.settings.stall_timeout_s == 20.0
+    assert spy.read == [], f"read after resolve: {sorted(set(spy.read))}"
