@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import subprocess
 import sys
 
@@ -276,3 +277,19 @@ def test_without_torch_gridcomm_imports_and_torch_store_says_what_is_missing():
                          env=dict(os.environ, PYTHONPATH=ROOT))
     assert out.returncode == 0 and out.stdout.startswith("REFUSED gridcomm.TorchStore needs torch"), out
     assert "gridcomm[torch]" in out.stdout
+
+
+@needs_torch
+@pytest.mark.timeout(200)
+def test_the_readmes_torch_example_runs_as_written_under_gridcomm_launch(tmp_path):
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = text.split("### Torch jobs: gridcomm.TorchStore", 1)[1].split("\n### ", 1)[0]
+    script = re.search(r"```python\n(.*?)```", section, re.S)
+    assert script and script.group(1).startswith("# train_torch.py: gridcomm launch --nproc 2 train_torch.py")
+    (tmp_path / "train_torch.py").write_text(script.group(1))
+    out = subprocess.run([sys.executable, "-m", "gridcomm", "launch", "--nproc", "2", "train_torch.py"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stdout + out.stderr
+    for rank in (0, 1):
+        assert f"rank {rank}: [3.0, 3.0, 3.0, 3.0]" in out.stdout, out.stdout + out.stderr
