@@ -28,6 +28,29 @@ from gridcomm._runtime.health import start_health_server
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """``TorchStore`` is loaded on first use: torch is optional (``pip install 'gridcomm[torch]'``)."""
+    if name == "TorchStore":
+        try:
+            from gridcomm._communicator.torch_store import TorchStore
+        except ImportError as exc:
+            return _torch_missing(exc)
+        globals()[name] = TorchStore
+        return TorchStore
+    raise AttributeError(f"module 'gridcomm' has no attribute {name!r}")
+
+
+def _torch_missing(exc: ImportError) -> type:
+    """A stand-in whose use says what is missing (so ``from gridcomm import *`` works without torch)."""
+    reason = f"gridcomm.TorchStore needs torch ({exc}); install it, e.g. pip install 'gridcomm[torch]'."
+
+    class TorchStore:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise ConfigError(reason)
+
+    return TorchStore
+
 __all__ = [
     "ArgumentError",
     "AuthenticationError",
@@ -45,6 +68,7 @@ __all__ = [
     "RankFailedError",
     "RankStalled",
     "RendezvousTimeout",
+    "TorchStore",
     "__version__",
     "init_process_group",
     "start_health_server",

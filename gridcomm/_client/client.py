@@ -62,7 +62,8 @@ SHORT_CALL_S = 10.0
 RELAY_JOIN_GRACE_S = 20.0
 
 #: The unary RPC that does what each Session operation does.
-_UNARY = {"join": "Join", "set": "Set", "get": "Get", "barrier": "Barrier", "leave": "Leave"}
+_UNARY = {"join": "Join", "set": "Set", "get": "Get", "barrier": "Barrier", "leave": "Leave",
+          "add": "Add", "compare_set": "CompareSet", "delete_key": "DeleteKey", "keys": "Keys"}
 
 #: What a rank that hosts its group's relay sends through it (see _own_relay_session): the
 #: operations a relay aggregates.

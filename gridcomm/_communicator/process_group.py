@@ -13,7 +13,7 @@ from gridcomm._backends.base import Hooks
 from gridcomm._backends.host.plane import PlaneConfig
 from gridcomm._client.client import CoordinatorClient
 from gridcomm._communicator.communicator import Communicator, build_backend
-from gridcomm._config.settings import Settings
+from gridcomm._config.settings import ClientSettings, Settings
 from gridcomm._coordinator.server import Coordinator
 from gridcomm._errors import CoordinatorUnavailable, GridcommError, coordinator_lost
 from gridcomm._runtime import health as _health
@@ -115,21 +115,12 @@ class Job:
         """Joins (rank 0 first starts the embedded coordinator) and builds this rank's communicator."""
         started = time.monotonic()
         settings = self.settings
-        dial = settings.client
         # Up before the rendezvous (or earlier: start_health_server), so kubelet's liveness probe
         # passes while ranks gather; readiness waits for the communicator. On rank 0 too: the health
         # port answers for this rank, not for the coordinator it hosts (kubelet restarts a rank, not a coordinator).
         wanted = settings.health_port
         self.health = (_health.process_health(wanted, settings.bind) if wanted is not None else None) or _health.running()
-        if settings.coordinator is not None:
-            self.coordinator = Coordinator(settings=settings.coordinator).start()
-            # Why: rank 0 dials its own server directly, not through a DNS name that may lag (with
-            # TLS it keeps the configured name, which the certificate is issued for, unless
-            # GRIDCOMM_TLS_SERVER_NAME says what to verify).
-            host = dial.host
-            if dial.tls is None or dial.tls.server_name:
-                host = "127.0.0.1" if settings.bind in ("0.0.0.0", "::") else settings.bind
-            dial = dataclasses.replace(dial, host=host, port=self.coordinator.port)
+        dial = self.host_coordinator()
         try:
             self.client = CoordinatorClient(settings=dial, coordinator_rank=0 if settings.embedded else None)
             self.client.join()
@@ -140,6 +131,24 @@ class Job:
         log.info("rank %d of %d: %s communicator ready in %.3f s (generation %d)", self.rank, self.world_size,
                  self.kind, time.monotonic() - started, shown_generation(self.client.generation))
         return comm
+
+    def host_coordinator(self) -> ClientSettings:
+        """Starts the embedded coordinator where this rank hosts it (rank 0, unless
+        GRIDCOMM_COORDINATOR=external); returns the settings this rank's client dials with. Also
+        for a torch program whose rank 0 hosts the coordinator (``gridcomm.TorchStore``)."""
+        settings = self.settings
+        dial = settings.client
+        if settings.coordinator is not None and self.coordinator is None:
+            self.coordinator = Coordinator(settings=settings.coordinator).start()
+        if self.coordinator is not None:
+            # Why: rank 0 dials its own server directly, not through a DNS name that may lag (with
+            # TLS it keeps the configured name, which the certificate is issued for, unless
+            # GRIDCOMM_TLS_SERVER_NAME says what to verify).
+            host = dial.host
+            if dial.tls is None or dial.tls.server_name:
+                host = "127.0.0.1" if settings.bind in ("0.0.0.0", "::") else settings.bind
+            dial = dataclasses.replace(dial, host=host, port=self.coordinator.port)
+        return dial
 
     def _communicator(self, timeout_s: float | None = None) -> Communicator:
         """The communicator of the client's current generation (its members, this rank's place);

@@ -61,6 +61,8 @@ class CoordinatorMetrics:
 
     def __init__(self) -> None:
         self.rank_failures = 0
+        #: Unix time of the latest rank failure (0: none yet), for alerts that need no sample from before it.
+        self.last_failure_unix_s = 0.0
         #: Generations formed by a recovery in place (rebuild or shrink).
         self.recoveries = 0
         self.barriers_completed = 0
@@ -97,6 +99,7 @@ class CoordinatorMetrics:
 
     def rank_failed(self) -> None:
         self.rank_failures += 1
+        self.last_failure_unix_s = time.time()
 
     def recovered(self, generation: int) -> None:
         self.recoveries += 1
@@ -210,6 +213,7 @@ class _Snapshot:
     loop_lag_s: float = 0.0
     hangs: dict[str, int] = dataclasses.field(default_factory=dict)
     longest_collective_wait_s: float = 0.0
+    last_failure_unix_s: float = 0.0
 
 
 def _snapshot(coordinator: Any) -> _Snapshot:
@@ -239,6 +243,7 @@ def _snapshot(coordinator: Any) -> _Snapshot:
         session_op_errors=dict(metrics.session_op_errors), join_refusals=dict(metrics.join_refusals),
         loop_lag_s=servicer.lag.total_s if servicer is not None else 0.0,
         hangs=dict(metrics.hangs), longest_collective_wait_s=state.progress.longest_wait(now),
+        last_failure_unix_s=metrics.last_failure_unix_s,
     )
 
 
@@ -302,6 +307,8 @@ class _Collector:
         yield gauge("gridcomm_uptime_seconds", "Seconds since the coordinator started.", snap.uptime_s)
         yield counter("gridcomm_rank_failures", "Ranks marked failed (died, hung, lost, or reported an error).",
                       snap.rank_failures)
+        yield gauge("gridcomm_rank_failure_last_timestamp_seconds", "Unix time of the latest rank failure (0: none "
+                    "yet); an alert on it needs no sample from before the failure.", snap.last_failure_unix_s)
         yield counter("gridcomm_recoveries", "Generations formed by a recovery in place (rebuild or shrink).",
                       snap.recoveries)
         yield counter("gridcomm_coordinator_loop_lag_seconds", "Seconds the coordinator's event loop ran behind "

@@ -125,6 +125,10 @@ def _handlers(servicer: Servicer) -> dict[str, Any]:
         "Leave": _unary(servicer, "Leave", Servicer.leave),
         "Status": status,
         "Session": session,
+        "Add": _unary(servicer, "Add", Servicer.add),
+        "CompareSet": _unary(servicer, "CompareSet", Servicer.compare_set),
+        "DeleteKey": _unary(servicer, "DeleteKey", Servicer.delete_key),
+        "Keys": _unary(servicer, "Keys", Servicer.keys),
     }
 
 

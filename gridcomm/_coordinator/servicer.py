@@ -34,6 +34,7 @@ from gridcomm._coordinator.state import (
 )
 from gridcomm._coordinator.state.progress import MAX_ENTRIES as MAX_PROGRESS_ENTRIES
 from gridcomm._coordinator.state.progress import Entry, check_entry
+from gridcomm._coordinator.store_ops import StoreOps
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._runtime.guard import token_problem
 from gridcomm._runtime.lag import LagMeter
@@ -81,8 +82,9 @@ class Owner(Protocol):
     def note_all_left(self) -> None: ...
 
 
-class Servicer:
-    """The coordinator's operations over its :class:`~gridcomm._coordinator.state.JobState`."""
+class Servicer(StoreOps):
+    """The coordinator's operations over its :class:`~gridcomm._coordinator.state.JobState` (torch's
+    store operations in :class:`~gridcomm._coordinator.store_ops.StoreOps`)."""
 
     def __init__(self, owner: Owner) -> None:
         self._owner = owner

@@ -26,6 +26,10 @@ OPERATIONS: dict[str, Callable[[Servicer, Any, float | None], Awaitable[Any]]] =
     "barrier": Servicer.barrier,
     "leave": Servicer.leave,
     "heartbeat": Servicer.heartbeat,
+    "add": Servicer.add,
+    "compare_set": Servicer.compare_set,
+    "delete_key": Servicer.delete_key,
+    "keys": Servicer.keys,
 }
 
 

@@ -322,7 +322,7 @@ class StatusResponse(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., barriers: _Optional[_Iterable[_Union[BarrierStatus, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., serving: bool = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ..., late: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SessionOp(_message.Message):
-    __slots__ = ("id", "join", "set", "get", "barrier", "leave", "heartbeat")
+    __slots__ = ("id", "join", "set", "get", "barrier", "leave", "heartbeat", "add", "compare_set", "delete_key", "keys")
     ID_FIELD_NUMBER: _ClassVar[int]
     JOIN_FIELD_NUMBER: _ClassVar[int]
     SET_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +330,10 @@ class SessionOp(_message.Message):
     BARRIER_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    COMPARE_SET_FIELD_NUMBER: _ClassVar[int]
+    DELETE_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
     id: int
     join: JoinRequest
     set: SetRequest
@@ -337,7 +341,11 @@ class SessionOp(_message.Message):
     barrier: BarrierRequest
     leave: LeaveRequest
     heartbeat: HeartbeatRequest
-    def __init__(self, id: _Optional[int] = ..., join: _Optional[_Union[JoinRequest, _Mapping]] = ..., set: _Optional[_Union[SetRequest, _Mapping]] = ..., get: _Optional[_Union[GetRequest, _Mapping]] = ..., barrier: _Optional[_Union[BarrierRequest, _Mapping]] = ..., leave: _Optional[_Union[LeaveRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatRequest, _Mapping]] = ...) -> None: ...
+    add: AddRequest
+    compare_set: CompareSetRequest
+    delete_key: DeleteKeyRequest
+    keys: KeysRequest
+    def __init__(self, id: _Optional[int] = ..., join: _Optional[_Union[JoinRequest, _Mapping]] = ..., set: _Optional[_Union[SetRequest, _Mapping]] = ..., get: _Optional[_Union[GetRequest, _Mapping]] = ..., barrier: _Optional[_Union[BarrierRequest, _Mapping]] = ..., leave: _Optional[_Union[LeaveRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatRequest, _Mapping]] = ..., add: _Optional[_Union[AddRequest, _Mapping]] = ..., compare_set: _Optional[_Union[CompareSetRequest, _Mapping]] = ..., delete_key: _Optional[_Union[DeleteKeyRequest, _Mapping]] = ..., keys: _Optional[_Union[KeysRequest, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("ops",)
@@ -354,7 +362,7 @@ class MetadataEntry(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class SessionResult(_message.Message):
-    __slots__ = ("id", "code", "details", "metadata", "join", "set", "get", "barrier", "leave", "heartbeat")
+    __slots__ = ("id", "code", "details", "metadata", "join", "set", "get", "barrier", "leave", "heartbeat", "add", "compare_set", "delete_key", "keys")
     ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +373,10 @@ class SessionResult(_message.Message):
     BARRIER_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    COMPARE_SET_FIELD_NUMBER: _ClassVar[int]
+    DELETE_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
     id: int
     code: int
     details: str
@@ -375,10 +387,86 @@ class SessionResult(_message.Message):
     barrier: BarrierResponse
     leave: LeaveResponse
     heartbeat: HeartbeatResponse
-    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., join: _Optional[_Union[JoinResponse, _Mapping]] = ..., set: _Optional[_Union[SetResponse, _Mapping]] = ..., get: _Optional[_Union[GetResponse, _Mapping]] = ..., barrier: _Optional[_Union[BarrierResponse, _Mapping]] = ..., leave: _Optional[_Union[LeaveResponse, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatResponse, _Mapping]] = ...) -> None: ...
+    add: AddResponse
+    compare_set: CompareSetResponse
+    delete_key: DeleteKeyResponse
+    keys: KeysResponse
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., join: _Optional[_Union[JoinResponse, _Mapping]] = ..., set: _Optional[_Union[SetResponse, _Mapping]] = ..., get: _Optional[_Union[GetResponse, _Mapping]] = ..., barrier: _Optional[_Union[BarrierResponse, _Mapping]] = ..., leave: _Optional[_Union[LeaveResponse, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatResponse, _Mapping]] = ..., add: _Optional[_Union[AddResponse, _Mapping]] = ..., compare_set: _Optional[_Union[CompareSetResponse, _Mapping]] = ..., delete_key: _Optional[_Union[DeleteKeyResponse, _Mapping]] = ..., keys: _Optional[_Union[KeysResponse, _Mapping]] = ...) -> None: ...
 
 class SessionReply(_message.Message):
     __slots__ = ("results",)
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SessionResult]
     def __init__(self, results: _Optional[_Iterable[_Union[SessionResult, _Mapping]]] = ...) -> None: ...
+
+class AddRequest(_message.Message):
+    __slots__ = ("caller", "key", "amount", "request_id")
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    caller: Caller
+    key: str
+    amount: int
+    request_id: int
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., amount: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class AddResponse(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: int
+    def __init__(self, value: _Optional[int] = ...) -> None: ...
+
+class CompareSetRequest(_message.Message):
+    __slots__ = ("caller", "key", "expected", "desired", "request_id")
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    caller: Caller
+    key: str
+    expected: bytes
+    desired: bytes
+    request_id: int
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., expected: _Optional[bytes] = ..., desired: _Optional[bytes] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class CompareSetResponse(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: bytes
+    def __init__(self, value: _Optional[bytes] = ...) -> None: ...
+
+class DeleteKeyRequest(_message.Message):
+    __slots__ = ("caller", "key", "request_id")
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    caller: Caller
+    key: str
+    request_id: int
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class DeleteKeyResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: bool
+    def __init__(self, deleted: bool = ...) -> None: ...
+
+class KeysRequest(_message.Message):
+    __slots__ = ("caller", "keys", "wait_s")
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    caller: Caller
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    wait_s: float
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., keys: _Optional[_Iterable[str]] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class KeysResponse(_message.Message):
+    __slots__ = ("present", "count")
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    present: _containers.RepeatedScalarFieldContainer[bool]
+    count: int
+    def __init__(self, present: _Optional[_Iterable[bool]] = ..., count: _Optional[int] = ...) -> None: ...

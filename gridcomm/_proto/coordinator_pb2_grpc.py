@@ -59,6 +59,26 @@ class CoordinatorStub(object):
                 request_serializer=gridcomm_dot___proto_dot_coordinator__pb2.SessionRequest.SerializeToString,
                 response_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.SessionReply.FromString,
                 )
+        self.Add = channel.unary_unary(
+                '/gridcomm.v1.Coordinator/Add',
+                request_serializer=gridcomm_dot___proto_dot_coordinator__pb2.AddRequest.SerializeToString,
+                response_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.AddResponse.FromString,
+                )
+        self.CompareSet = channel.unary_unary(
+                '/gridcomm.v1.Coordinator/CompareSet',
+                request_serializer=gridcomm_dot___proto_dot_coordinator__pb2.CompareSetRequest.SerializeToString,
+                response_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.CompareSetResponse.FromString,
+                )
+        self.DeleteKey = channel.unary_unary(
+                '/gridcomm.v1.Coordinator/DeleteKey',
+                request_serializer=gridcomm_dot___proto_dot_coordinator__pb2.DeleteKeyRequest.SerializeToString,
+                response_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.DeleteKeyResponse.FromString,
+                )
+        self.Keys = channel.unary_unary(
+                '/gridcomm.v1.Coordinator/Keys',
+                request_serializer=gridcomm_dot___proto_dot_coordinator__pb2.KeysRequest.SerializeToString,
+                response_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.KeysResponse.FromString,
+                )
 
 
 class CoordinatorServicer(object):
@@ -134,6 +154,34 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Add(self, request, context):
+        """The rest of a key-value store as torch.distributed.Store has it (gridcomm.TorchStore), on the
+        same keys as Set and Get. Add and CompareSet change a key by what it holds; a request_id (the
+        client's, nonzero) makes a repeat after a broken call answer as the first did, unapplied again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompareSet(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteKey(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Keys(self, request, context):
+        """Which of some keys are set (waiting up to wait_s for all of them), and how many keys the store holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -181,6 +229,26 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.SessionRequest.FromString,
                     response_serializer=gridcomm_dot___proto_dot_coordinator__pb2.SessionReply.SerializeToString,
+            ),
+            'Add': grpc.unary_unary_rpc_method_handler(
+                    servicer.Add,
+                    request_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.AddRequest.FromString,
+                    response_serializer=gridcomm_dot___proto_dot_coordinator__pb2.AddResponse.SerializeToString,
+            ),
+            'CompareSet': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompareSet,
+                    request_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.CompareSetRequest.FromString,
+                    response_serializer=gridcomm_dot___proto_dot_coordinator__pb2.CompareSetResponse.SerializeToString,
+            ),
+            'DeleteKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteKey,
+                    request_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.DeleteKeyRequest.FromString,
+                    response_serializer=gridcomm_dot___proto_dot_coordinator__pb2.DeleteKeyResponse.SerializeToString,
+            ),
+            'Keys': grpc.unary_unary_rpc_method_handler(
+                    servicer.Keys,
+                    request_deserializer=gridcomm_dot___proto_dot_coordinator__pb2.KeysRequest.FromString,
+                    response_serializer=gridcomm_dot___proto_dot_coordinator__pb2.KeysResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -342,5 +410,73 @@ class Coordinator(object):
         return grpc.experimental.stream_stream(request_iterator, target, '/gridcomm.v1.Coordinator/Session',
             gridcomm_dot___proto_dot_coordinator__pb2.SessionRequest.SerializeToString,
             gridcomm_dot___proto_dot_coordinator__pb2.SessionReply.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Add(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/gridcomm.v1.Coordinator/Add',
+            gridcomm_dot___proto_dot_coordinator__pb2.AddRequest.SerializeToString,
+            gridcomm_dot___proto_dot_coordinator__pb2.AddResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def CompareSet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/gridcomm.v1.Coordinator/CompareSet',
+            gridcomm_dot___proto_dot_coordinator__pb2.CompareSetRequest.SerializeToString,
+            gridcomm_dot___proto_dot_coordinator__pb2.CompareSetResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def DeleteKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/gridcomm.v1.Coordinator/DeleteKey',
+            gridcomm_dot___proto_dot_coordinator__pb2.DeleteKeyRequest.SerializeToString,
+            gridcomm_dot___proto_dot_coordinator__pb2.DeleteKeyResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Keys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/gridcomm.v1.Coordinator/Keys',
+            gridcomm_dot___proto_dot_coordinator__pb2.KeysRequest.SerializeToString,
+            gridcomm_dot___proto_dot_coordinator__pb2.KeysResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -8,8 +8,10 @@ on. Counting is O(1) a set: sizes are read off the objects, never summed over th
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import sys
+from typing import Any
 
 from gridcomm._coordinator.state.common import INVALID_ARGUMENT, RESOURCE_EXHAUSTED, StateBase, StateError, quote
 
@@ -17,6 +19,12 @@ from gridcomm._coordinator.state.common import INVALID_ARGUMENT, RESOURCE_EXHAUS
 #: header, its entries in ``kv`` and ``_versions`` and its version number (a few hundred bytes
 #: in CPython; a dict that grows holds twice its table for a moment, hence the margin).
 KEY_OVERHEAD = 224
+#: Answers kept for repeats of Add, CompareSet and DeleteKey (by rank, process and request id):
+#: at least this many, and 4 per rank of larger jobs. A repeat follows its first call within a
+#: call's deadline, and each rank has few such calls in flight.
+KEEP_ANSWERS = 4096
+#: The range of a counter that Add keeps (torch's: int64).
+INT64 = (-(1 << 63), (1 << 63) - 1)
 #: What a value arriving in pieces costs beyond its announced size and its key: its record, its
 #: (rank, key) entry, and the bytearray's spare room as it grows (counted as an eighth more).
 PIECE_OVERHEAD = 256
@@ -59,6 +67,8 @@ class KeyValue(StateBase):
         self._pieces = {}
         self._pieces_bytes = 0
         self._pieces_cost = 0
+        #: (rank, incarnation, request id) -> the answer of an Add, CompareSet or DeleteKey, oldest first.
+        self._answers: collections.OrderedDict[tuple[int, int, int], Any] = collections.OrderedDict()
 
     def _check_key(self, key: str) -> int:
         """The key's size in UTF-8 bytes, once it is checked."""
@@ -161,3 +171,78 @@ class KeyValue(StateBase):
     def get(self, key: str) -> bytes | None:
         self._check_key(key)
         return self.kv.get(key)
+
+    # ------------------------------------------------------------------ torch.distributed.Store's operations
+    def _repeat(self, caller: tuple[int, int], request_id: int) -> tuple[bool, Any]:
+        """(True, the answer) when this request was applied before (a call repeated after a broken stream)."""
+        if not request_id:
+            return False, None
+        key = (caller[0], caller[1], request_id)
+        if key in self._answers:
+            return True, self._answers[key]
+        return False, None
+
+    def _remember(self, caller: tuple[int, int], request_id: int, answer: Any) -> Any:
+        if request_id:
+            self._answers[(caller[0], caller[1], request_id)] = answer
+            while len(self._answers) > max(KEEP_ANSWERS, 4 * self.world_size):
+                self._answers.popitem(last=False)
+        return answer
+
+    def add(self, key: str, amount: int, caller: tuple[int, int] = (0, 0), request_id: int = 0) -> int:
+        """Adds ``amount`` to the counter under ``key`` (decimal text; 0 when not set); returns the sum.
+        ``caller`` is (rank, incarnation): a request id seen before from it answers as before."""
+        seen, answer = self._repeat(caller, request_id)
+        if seen:
+            return int(answer)
+        self._check_key(key)
+        old = self.kv.get(key)
+        current = 0
+        if old is not None:
+            try:
+                if len(old) > 20:
+                    raise ValueError
+                current = int(old.decode("ascii"))
+            except (UnicodeDecodeError, ValueError):
+                raise StateError(INVALID_ARGUMENT, f"add to key {quote(key)}: it holds {len(old)} bytes that are not "
+                                 "an integer in decimal text (set by set(), not add()).") from None
+        total = current + amount
+        if not INT64[0] <= total <= INT64[1]:
+            raise StateError(INVALID_ARGUMENT, f"add of {amount} to key {quote(key)} (holding {current}) leaves the "
+                             "range of a 64-bit integer.")
+        self.set(key, str(total).encode())
+        return int(self._remember(caller, request_id, total))
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes, caller: tuple[int, int] = (0, 0),
+                    request_id: int = 0) -> bytes:
+        """Sets ``key`` to ``desired`` if it holds ``expected`` (or is not set and ``expected`` is
+        empty); returns what it holds then, or ``expected`` when it is not set (torch's answer)."""
+        seen, answer = self._repeat(caller, request_id)
+        if seen:
+            return bytes(answer)
+        self._check_key(key)
+        old = self.kv.get(key)
+        if old is None:
+            if expected:
+                return bytes(self._remember(caller, request_id, expected))
+        elif old != expected:
+            return bytes(self._remember(caller, request_id, old))
+        self.set(key, desired)
+        return bytes(self._remember(caller, request_id, desired))
+
+    def delete(self, key: str, caller: tuple[int, int] = (0, 0), request_id: int = 0) -> bool:
+        """Removes ``key``; whether it was set."""
+        seen, answer = self._repeat(caller, request_id)
+        if seen:
+            return bool(answer)
+        size = self._check_key(key)
+        old = self.kv.pop(key, None)
+        if old is not None:
+            self._versions.pop(key, None)
+            self._kv_bytes -= sys.getsizeof(key) + len(old) + KEY_OVERHEAD
+            self._raw_bytes -= size + len(old)
+        return bool(self._remember(caller, request_id, old is not None))
+
+    def count(self) -> int:
+        """How many keys the store holds."""
+        return len(self.kv)
