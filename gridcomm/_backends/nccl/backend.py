@@ -39,6 +39,7 @@ from typing import Any
 from gridcomm import _config
 from gridcomm._backends import validate as _validate
 from gridcomm._backends.base import NO_HOOKS, Hooks
+from gridcomm._backends.nccl import lifecycle
 from gridcomm._backends.nccl.engines import _TYPE_NAMES, _engine_for
 from gridcomm._backends.nccl.loader import _load_cupy, engine
 from gridcomm._config.settings import NcclSettings
@@ -524,10 +525,15 @@ class NcclBackend:
         if owner is not None:
             owner.abort()  # CuPy's NcclCommunicator and nccl.core's Communicator alike
 
+    #: Its abort may block (ncclCommAbort waits for the GPU): the communicator runs it off the
+    #: thread that heard of a failure (the background loop, which must go on heartbeating).
+    abort_may_block = True
+
     def destroy(self) -> None:
-        """ncclCommDestroy (every rank of the communicator calls it, as ``stop()`` does)."""
+        """ncclCommDestroy (every rank of the communicator calls it, as ``stop()`` does), bounded:
+        past ``lifecycle.DESTROY_WAIT_S`` the communicator is aborted instead (see lifecycle)."""
         owner, self._owner = self._owner, None
         self._c = self._engine.null
         if owner is not None:
-            owner.destroy()
+            lifecycle.bounded_destroy(owner, f"rank {self.rank} of {self.world_size} ({self.engine})")
 
