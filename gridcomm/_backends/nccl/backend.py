@@ -39,7 +39,7 @@ from typing import Any
 from gridcomm import _config
 from gridcomm._backends import validate as _validate
 from gridcomm._backends.base import NO_HOOKS, Hooks
-from gridcomm._backends.nccl import lifecycle
+from gridcomm._backends.nccl import lifecycle, sharing
 from gridcomm._backends.nccl.engines import _TYPE_NAMES, _engine_for
 from gridcomm._backends.nccl.loader import _load_cupy, engine
 from gridcomm._config.settings import NcclSettings
@@ -67,6 +67,22 @@ def _relaxed_capture_mode() -> None:
         _thread.relaxed = result
     if result != 0:  # then no sample is ever taken on this thread
         raise GridcommError(f"cuThreadExchangeStreamCaptureMode returned {result}")
+
+
+def _check_sharing(cupy: Any, eng: Any, unique_id: bytes, rank: int, size: int) -> sharing.Marker | None:
+    """sharing.check for the current device (named by its PCI bus id: CUDA_VISIBLE_DEVICES
+    renumbers devices per process). Skipped, with a debug line, where CUDA cannot name it."""
+    try:
+        gpu = str(cupy.cuda.Device().pci_bus_id)
+    except Exception as exc:  # noqa: BLE001 - CUDA errors: NCCL's own init reports them
+        log.debug("rank %d: GPU sharing not checked: %s", rank, exc)
+        return None
+    try:
+        version = int(eng.version())
+    except Exception as exc:  # noqa: BLE001 - an unknown version is checked as new enough
+        log.debug("rank %d: NCCL version unknown: %s", rank, exc)
+        version = sharing.MULTI_RANK_MIN_NCCL
+    return sharing.check(unique_id, gpu, rank, size, version)
 
 
 class _Count:
@@ -141,8 +157,16 @@ class NcclBackend:
         self._nccl_send, self._nccl_recv = eng.send, eng.recv
         if deadline is None:
             deadline = time.monotonic() + _config.DEFAULT_TIMEOUT_S
-        #: What owns the communicator (abort/destroy), and the handle the per-call functions take.
-        self._owner: Any = eng.create(world_size, rank, ids, deadline, failed, label)
+        #: This rank's mark on its GPU while the communicator lives (see sharing): checked
+        #: before NCCL init, so ranks sharing a GPU without NCCL's mode get a ConfigError.
+        self._marker = _check_sharing(cupy, eng, ids[0], rank, world_size)
+        try:
+            #: What owns the communicator (abort/destroy), and the handle the per-call functions take.
+            self._owner: Any = eng.create(world_size, rank, ids, deadline, failed, label)
+        except BaseException:
+            if self._marker is not None:
+                self._marker.remove()
+            raise
         #: While calls wait for a split (see _defer_to_first_call): the real per-call functions
         #: and group_start, to put back.
         self._pending: tuple[dict[str, Any], Callable[[], None]] | None = None
@@ -468,6 +492,7 @@ class NcclBackend:
         child = object.__new__(NcclBackend)
         child.__dict__.update(self.__dict__)
         child.rank, child.world_size, child._owner, child._c = new_rank, new_size, comm, comm
+        child._marker = None  # the parent's mark is the parent's to remove
         child.on_invalid = hooks.on_invalid
         return child
 
@@ -522,8 +547,14 @@ class NcclBackend:
         NCCL's own argument check instead of touching freed memory."""
         owner, self._owner = self._owner, None
         self._c = self._engine.null
+        self._unmark()
         if owner is not None:
             owner.abort()  # CuPy's NcclCommunicator and nccl.core's Communicator alike
+
+    def _unmark(self) -> None:
+        marker, self._marker = getattr(self, "_marker", None), None
+        if marker is not None:
+            marker.remove()
 
     #: Its abort may block (ncclCommAbort waits for the GPU): the communicator runs it off the
     #: thread that heard of a failure (the background loop, which must go on heartbeating).
@@ -534,6 +565,7 @@ class NcclBackend:
         past ``lifecycle.DESTROY_WAIT_S`` the communicator is aborted instead (see lifecycle)."""
         owner, self._owner = self._owner, None
         self._c = self._engine.null
+        self._unmark()
         if owner is not None:
             lifecycle.bounded_destroy(owner, f"rank {self.rank} of {self.world_size} ({self.engine})")
 

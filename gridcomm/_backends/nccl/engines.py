@@ -140,6 +140,10 @@ class _CupyEngine:
     def handle(owner: Any) -> Any:
         return owner
 
+    def version(self) -> int:
+        """The loaded libnccl's NCCL_VERSION_CODE (23206: 2.32.6)."""
+        return int(self._nccl.get_version())
+
 
 class _Nccl4pyEngine:
     """nccl4py: non-blocking, abortable init polled against the deadline; several unique IDs
@@ -243,6 +247,10 @@ class _Nccl4pyEngine:
     @staticmethod
     def handle(owner: Any) -> Any:
         return owner._comm  # nccl.bindings.nccl.Comm: what the low-level calls take
+
+    def version(self) -> int:
+        """The loaded libnccl's NCCL_VERSION_CODE (23206: 2.32.6)."""
+        return int(self.bindings.get_version())
 
 
 class _Split:
