@@ -34,6 +34,12 @@ def new_unique_id(engine_name: str | None = None) -> bytes:
     return id_to_bytes(nccl.get_unique_id())
 
 
+def nccl_version(engine_name: str | None = None) -> int:
+    """The NCCL_VERSION_CODE (23206: 2.32.6) of the libnccl the engine loads (default: the one a
+    communicator built now uses); raises ConfigError where none loads."""
+    return int(_engine_for(engine_name or engine()).version())
+
+
 def id_to_bytes(uid: Any) -> bytes:
     """One place for both forms CuPy has used: a tuple of signed chars, or bytes."""
     if isinstance(uid, (bytes, bytearray)):

@@ -73,7 +73,7 @@ class Marker:
 
     def __init__(self, unique_id: bytes, gpu: str, rank: int, root: str | None = None) -> None:
         key = hashlib.sha256(unique_id).hexdigest()[:24]
-        self.folder = os.path.join(MARKER_ROOT if root is None else root, f"gridcomm-gpus-{key}")
+        self.folder = os.path.join(MARKER_ROOT if root is None else root, f".gridcomm-gpus-{key}")
         self.gpu = gpu.replace("/", "_").replace(":", "_").replace(".", "_")
         self.path = os.path.join(self.folder, f"{self.gpu}-{rank}")
         self.rank = rank
