@@ -116,18 +116,39 @@ def _sources() -> dict[str, str]:
 
 
 def test_exactly_one_module_touches_os_environ():
-    touching = sorted(path for path, text in _sources().items() if "os.environ" in text)
+    ways = ("os.environ", "os.getenv", "os.putenv", "os.unsetenv", "from os import")
+    touching = sorted(path for path, text in _sources().items() if any(way in text for way in ways))
     assert touching == [os.path.join("gridcomm", "_config", "readers.py")], touching
 
 
-def test_every_gridcomm_variable_in_the_code_is_in_the_registry():
+REGISTRY = os.path.join("gridcomm", "_config", "registry.py")
+
+
+def _named_in_code(sources: dict[str, str]) -> set[str]:
+    """The GRIDCOMM_* names the package's code mentions, the registry itself left out (a name it
+    lists is not thereby read)."""
     named = set()
-    for text in _sources().values():
-        named |= {m for m in re.findall(r"GRIDCOMM_[A-Z0-9_]*[A-Z0-9]", text)}
+    for path, text in sources.items():
+        if path != REGISTRY:
+            named |= set(re.findall(r"GRIDCOMM_[A-Z0-9_]*[A-Z0-9]", text))
     # GRIDCOMM_TLS_* is how messages refer to the family, not a variable.
     named.discard("GRIDCOMM_TLS")
+    return named
+
+
+def test_every_gridcomm_variable_in_the_code_is_in_the_registry():
+    named = _named_in_code(_sources())
     assert named - set(registry.BY_NAME) == set(), "read or named, but not in gridcomm/_config/registry.py"
     assert set(registry.BY_NAME) - named == set(), "in the registry, but nothing reads it"
+
+
+def test_a_variable_only_the_registry_names_is_caught():
+    """The check above sees a registered variable that no code reads (as if one were planted)."""
+    sources = _sources()
+    planted = dict(sources)
+    planted[REGISTRY] = sources[REGISTRY] + '\nVariable("GRIDCOMM_PLANTED_UNREAD", "bool", "off", "read by nothing")\n'
+    assert "GRIDCOMM_PLANTED_UNREAD" not in _named_in_code(planted)
+    assert set(registry.BY_NAME) <= _named_in_code(sources)
 
 
 def test_readme_configuration_table_is_the_registry():
@@ -244,3 +265,150 @@ def test_use_mpi_is_accepted_as_cupyx_accepts_it_with_a_warning(caplog, monkeypa
     finally:
         comm.stop()
     assert any("use_mpi=True" in r.getMessage() for r in caplog.records)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+def test_the_embedded_coordinator_takes_the_jobs_environment_not_the_processs(monkeypatch):
+    """Rank 0's coordinator settings come from the environment the job was resolved from."""
+    from gridcomm._communicator.process_group import Job
+
+    for name in ("GRIDCOMM_STALL_TIMEOUT_S", "GRIDCOMM_METRICS_LINGER_S", "GRIDCOMM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    env = {"GRIDCOMM_STALL_TIMEOUT_S": "7", "GRIDCOMM_METRICS_LINGER_S": "3", "GRIDCOMM_BIND": "127.0.0.1",
+           "GRIDCOMM_JOB_ID": "passed-down"}
+    job = Job.configure(1, 0, backend="host", host="127.0.0.1", port=_free_port(), timeout_s=30, token=None,
+                        environ=env)
+    comm = job.start()
+    try:
+        assert job.coordinator is not None
+        server = job.coordinator.settings
+        assert (server.stall_timeout_s, server.metrics_linger_s, server.job_id) == (7.0, 3.0, "passed-down")
+    finally:
+        comm.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_stall_bound_above_the_call_timeout_names_where_that_timeout_came_from(monkeypatch):
+    """timeout_s= is named as the argument, not as GRIDCOMM_TIMEOUT_S (which is not set)."""
+    monkeypatch.delenv("GRIDCOMM_TIMEOUT_S", raising=False)
+    monkeypatch.setenv("GRIDCOMM_STALL_TIMEOUT_S", "60")
+    monkeypatch.setenv("GRIDCOMM_BIND", "127.0.0.1")
+    with pytest.raises(ConfigError) as caught:
+        gridcomm.init_process_group(1, 0, backend="host", host="127.0.0.1", port=_free_port(), timeout_s=10)
+    assert "longer than the call timeout timeout_s=10" in str(caught.value), caught.value
+    assert "GRIDCOMM_TIMEOUT_S" not in str(caught.value), caught.value
+    with pytest.raises(ConfigError, match=re.escape("the call timeout GRIDCOMM_TIMEOUT_S=50")):
+        _config.stall_timeout_s(None, {"GRIDCOMM_STALL_TIMEOUT_S": "60", "GRIDCOMM_TIMEOUT_S": "50"})
+    with pytest.raises(ConfigError, match=re.escape("the call timeout (300 s, the default)")):
+        _config.stall_timeout_s(None, {"GRIDCOMM_STALL_TIMEOUT_S": "400"})
+
+
+class _ReadsRecorded(dict):
+    """A process environment that records which of gridcomm's variables are looked up."""
+
+    def __init__(self, base, watched):
+        super().__init__(base)
+        self.watched = watched
+        self.read: list[str] = []
+
+    def _note(self, key):
+        if key in self.watched:
+            self.read.append(key)
+
+    def __getitem__(self, key):
+        self._note(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self._note(key)
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self._note(key)
+        return super().__contains__(key)
+
+    def pop(self, key, *default):
+        self._note(key)
+        return super().pop(key, *default)
+
+
+@pytest.mark.timeout(60)
+def test_nothing_reads_the_environment_after_the_job_is_resolved(monkeypatch):
+    """Resolved once: starting the job, its collectives, a split and the stop read no variable of
+    the registry (nor a convention it names) from the process environment."""
+    from gridcomm._communicator.process_group import Job
+
+    monkeypatch.setenv("GRIDCOMM_BIND", "127.0.0.1")
+    monkeypatch.setenv("GRIDCOMM_DEBUG", "collectives")
+    job = Job.configure(1, 0, backend="host", host="127.0.0.1", port=_free_port(), timeout_s=30, token=None)
+    watched = set(registry.BY_NAME) | {c for v in registry.VARIABLES for c in v.conventions}
+    spy = _ReadsRecorded(os.environ, watched)
+    monkeypatch.setattr(os, "environ", spy)
+    comm = job.start()
+    try:
+        x = np.ones(2)
+        comm.all_reduce(x, x)
+        child = comm.split(0)
+        assert child is not None
+        child.all_reduce(x, x)
+        assert comm._tracker.fingerprints and child._tracker.fingerprints
+    finally:
+        comm.stop()
+    assert spy.read == [], f"read after resolve: {sorted(set(spy.read))}"
+
+
+def test_reading_the_token_changes_nothing_and_only_a_resolve_that_succeeds_withholds_it(monkeypatch):
+    """A reader reads; GRIDCOMM_TOKEN leaves the process environment (for its children) once a
+    rank's settings are resolved, never when the resolve fails, never from a mapping passed in."""
+    from gridcomm._config import readers
+
+    monkeypatch.setattr(readers, "_taken_token", None)
+    monkeypatch.setenv("GRIDCOMM_TOKEN", "s3cret")
+    monkeypatch.delenv("GRIDCOMM_TOKEN_INHERIT", raising=False)
+    assert _config.token() == "s3cret"
+    assert os.environ.get("GRIDCOMM_TOKEN") == "s3cret"
+    monkeypatch.setenv("GRIDCOMM_BACKEND", "gloo")
+    with pytest.raises(ConfigError, match="GRIDCOMM_BACKEND"):
+        _config.Settings.resolve(2, 1)
+    assert os.environ.get("GRIDCOMM_TOKEN") == "s3cret"
+    monkeypatch.delenv("GRIDCOMM_BACKEND")
+    assert _config.Settings.resolve(2, 1).client.token == "s3cret"
+    assert "GRIDCOMM_TOKEN" not in os.environ
+    assert _config.token() == "s3cret"  # still this process's secret
+    passed = {"GRIDCOMM_TOKEN": "other"}
+    assert _config.Settings.resolve(2, 1, environ=passed).client.token == "other"
+    assert passed == {"GRIDCOMM_TOKEN": "other"}
+
+
+@pytest.mark.timeout(60)
+def test_nothing_reads_the_environment_after_an_external_coordinator_and_its_rank_are_resolved(monkeypatch):
+    """The same for a standalone coordinator (resolved at construction) and a rank dialling it."""
+    from gridcomm._communicator.process_group import Job
+
+    monkeypatch.setenv("GRIDCOMM_COORDINATOR", "external")
+    monkeypatch.setenv("GRIDCOMM_STALL_TIMEOUT_S", "20")
+    server = gridcomm.Coordinator(1, bind="127.0.0.1", port=0, token="t0ken")
+    job_env = {"GRIDCOMM_COORDINATOR": "external", "GRIDCOMM_TOKEN": "t0ken"}
+    watched = set(registry.BY_NAME) | {c for v in registry.VARIABLES for c in v.conventions}
+    spy = _ReadsRecorded(os.environ, watched)
+    monkeypatch.setattr(os, "environ", spy)
+    server.start()
+    try:
+        job = Job.configure(1, 0, backend="host", host="127.0.0.1", port=server.port, timeout_s=30, token=None,
+                            environ=job_env)
+        comm = job.start()
+        try:
+            x = np.ones(2)
+            comm.all_reduce(x, x)
+        finally:
+            comm.stop()
+    finally:
+        server.stop()
+    assert server.settings.stall_timeout_s == 20.0
+    assert spy.read == [], f"read after resolve: {sorted(set(spy.read))}"

@@ -73,8 +73,8 @@ def launch(nproc: int, command: Sequence[str], backend: str | None = None,
         raise ConfigError(f"--nproc={nproc!r} must be a positive integer.")
     if not command:
         raise ConfigError("launch needs a script (or -m MODULE) to run.")
-    # Why a copy: reading the token takes it out of this process's environment, and the launcher
-    # passes it on to its ranks (the children it is asked to give it to).
+    # Why a copy: the launcher adds each rank's settings to what it passes on (the token included:
+    # its ranks are the children it is asked to give it to), and never changes its own environment.
     env_in = dict(_config.process_environ() if environ is None else environ)
     chosen = _config.launch_backend(backend, env_in)
     port = _config.launch_port(env_in) or free_port()

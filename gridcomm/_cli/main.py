@@ -123,8 +123,8 @@ def probe(target: str, service: str = "", timeout_s: float = 5.0) -> tuple[int, 
     started = time.monotonic()
     with grpc.insecure_channel(address, options=channel_options()) as channel:
         # Why connect first, within the whole deadline: kubelet and grpc_health_probe keep dialling
-        # until their timeout; a check that fails fast scored 0 of 5 through a link whose HTTP/2
-        # settings arrived after 200 ms, where they scored 5 of 5.
+        # until their timeout; a check that fails fast would fail through a slow link (HTTP/2
+        # settings arriving late) that they pass.
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:

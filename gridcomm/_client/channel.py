@@ -66,16 +66,16 @@ def channel_options(retries: bool = True, *, relay: bool = False) -> list[tuple[
         ("grpc.http2.max_pings_without_data", 0),
         # Why no BDP probing: with it on, every message a channel reads makes it send a PING (and
         # the peer an ACK): two more writes and wake-ups per message, on both ends, for a control
-        # plane whose messages are small. At 2,048 ranks through relays it cost a quarter of the
-        # barrier time (T2 0.64-0.67 -> 0.46-0.50 s without it). Why a fixed 1 MiB window per
-        # stream: one value chunk (CHUNK_BYTES) in flight, as the servers allow.
+        # plane whose messages are small; with thousands of ranks through relays that is a large
+        # share of a barrier's time. Why a fixed 1 MiB window per stream: one value chunk
+        # (CHUNK_BYTES) in flight, as the servers allow.
         ("grpc.http2.bdp_probe", 0),
         ("grpc.http2.lookahead_bytes", CHUNK_BYTES),
         ("grpc.initial_reconnect_backoff_ms", 100),
         # Why 5 s: despite its name this is gRPC's minimum connect timeout (how long one attempt
-        # may take before it is abandoned and dialled again). At 100 ms, 2,048 ranks dialling a
-        # busy coordinator abandoned and re-dialled 6 times each (12,222 connects, 8,322 resets,
-        # the listen queue full at 4,036 of 4,096): the storm fed itself.
+        # may take before it is abandoned and dialled again). At 100 ms, thousands of ranks
+        # dialling a busy coordinator abandon and re-dial over and over, filling its listen queue:
+        # the storm feeds itself.
         ("grpc.min_reconnect_backoff_ms", 5_000),
         ("grpc.max_reconnect_backoff_ms", 1_000),
         # Why: pod DNS can lag; the default waits 30 s between resolutions.

@@ -79,9 +79,9 @@ class Wait:
 
     def _starved(self, elapsed: float) -> str:
         """What to add when this process, not the coordinator, is why no answer came: its
-        background loop (which reads every answer) ran behind for a good part of the wait. At
-        16,384 simulated ranks on 2 cores the coordinator was up and idle while its ranks said
-        it did not answer."""
+        background loop (which reads every answer) ran behind for a good part of the wait: with
+        many ranks on few cores the coordinator may be up and idle while its ranks, short of CPU,
+        report that it did not answer."""
         behind = _eventloop.lag_s() - self._lag_then
         if behind < max(1.0, elapsed / 4):
             return ""

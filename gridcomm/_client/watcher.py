@@ -181,7 +181,7 @@ class Watcher:
         try:
             started.result(START_WAIT_S)
         except concurrent.futures.TimeoutError:
-            # Why not an error: the loop is starved (8,192 simulated ranks on 2 cores took longer
+            # Why not an error: the loop is starved (many ranks on few cores can take longer
             # than this); the watcher is scheduled and starts when the loop gets to it, and the
             # coordinator counts a late first heartbeat from when this rank could reach it.
             log.warning("rank %d: the background loop is %.0f s behind; liveness starts when it catches up",
@@ -251,8 +251,8 @@ class Watcher:
                 else:
                     # Why a deadline well past the server's answer (at ``interval``): a call the
                     # client gives up on is cancelled on the server, which reads a dropped heartbeat
-                    # as a dead process after its short grace. An overloaded but live rank (256
-                    # processes on 2 cores, make bench) was failed that way with ``interval + 1``.
+                    # as a dead process after its short grace: with ``interval + 1`` an overloaded
+                    # but live rank (many processes on few cores) would be failed that way.
                     call_s = interval + max(1.0, timeout_s / 2)
                     # Why bounded by what is left of the bound: a heartbeat on a stream that has to be
                     # opened again waits for the coordinator (wait_for_ready); a coordinator that is
@@ -311,8 +311,8 @@ class Watcher:
     async def _beat(self, request: pb.HeartbeatRequest, call_s: float) -> pb.HeartbeatResponse:
         """One heartbeat: an operation on the client's Session stream (a message on a stream
         the coordinator already serves; a unary call per heartbeat is a new call for it to set
-        up, and at 2,048 ranks those calls waited behind the streams' traffic for longer than
-        the liveness bound), or the Heartbeat RPC when there is no stream or it broke."""
+        up, and with thousands of ranks those calls can wait behind the streams' traffic for
+        longer than the liveness bound), or the Heartbeat RPC when there is no stream or it broke."""
         timeout_s = self._client.heartbeat_timeout_s
         session = self._client.session_stream()
         if session is not None:

@@ -18,7 +18,6 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from gridcomm import _config
 from gridcomm._backends.base import Backend, Hooks
 from gridcomm._backends.host.plane import PlaneConfig
 from gridcomm._client.client import SHORT_CALL_S, CoordinatorClient
@@ -44,10 +43,6 @@ LEAVE_AFTER_FAILURE_S = 2.0
 
 #: How long stop() and rebuild() wait for backend aborts still running on their own thread.
 ABORT_WAIT_S = 10.0
-
-def _fingerprints() -> bool:
-    """GRIDCOMM_DEBUG=collectives: fingerprint every collective (read per communicator)."""
-    return "collectives" in _config.debug_flags()
 
 
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gather", "send", "recv", "send_recv",
@@ -113,7 +108,7 @@ class Communicator:
 
     def __init__(self, make_backend: Callable[[Hooks], Any], client: CoordinatorClient, *, name: str = "world",
                  members: Sequence[int] | None = None, parent: Communicator | None = None,
-                 job: Job | None = None) -> None:
+                 job: Job | None = None, fingerprints: bool | None = None) -> None:
         self._client = client
         self._parent = parent
         self.name = name
@@ -144,7 +139,10 @@ class Communicator:
         self.members: tuple[int, ...] = tuple(range(self.world_size)) if members is None else tuple(members)
         self._participants: tuple[int, ...] = () if parent is None else tuple(sorted(self.members))
         #: This rank's progress here, carried on its heartbeats (see gridcomm._client.tracker).
-        self._tracker = Tracker(name, client.generation, fingerprints=_fingerprints())
+        # Fingerprints (GRIDCOMM_DEBUG=collectives, resolved with the job): as asked, else as the parent's.
+        if fingerprints is None:
+            fingerprints = parent is not None and parent._tracker.fingerprints
+        self._tracker: Tracker = Tracker(name, client.generation, fingerprints=fingerprints)
         counts_itself = getattr(backend, "counts_itself", False) and not self._tracker.fingerprints
         if counts_itself:
             backend.progress = self._tracker

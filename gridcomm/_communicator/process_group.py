@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from gridcomm import _config
@@ -12,7 +13,7 @@ from gridcomm._backends.base import Hooks
 from gridcomm._backends.host.plane import PlaneConfig
 from gridcomm._client.client import CoordinatorClient
 from gridcomm._communicator.communicator import Communicator, build_backend
-from gridcomm._config.settings import CoordinatorSettings, Settings
+from gridcomm._config.settings import Settings
 from gridcomm._coordinator.server import Coordinator
 from gridcomm._errors import CoordinatorUnavailable, GridcommError, coordinator_lost
 from gridcomm._runtime import health as _health
@@ -85,10 +86,12 @@ class Job:
 
     @classmethod
     def configure(cls, n_devices: int | None, rank: int | None, *, backend: str | None, host: str | None,
-                  port: int | None, timeout_s: float | None, token: str | None) -> Job:
-        """Resolves arguments and environment (an explicit argument wins); starts nothing."""
+                  port: int | None, timeout_s: float | None, token: str | None,
+                  environ: Mapping[str, str] | None = None) -> Job:
+        """Resolves arguments and environment (``environ``, default the process's; an explicit
+        argument wins); starts nothing. Nothing of the job reads the environment afterwards."""
         settings = Settings.resolve(n_devices, rank, backend=backend, host=host, port=port, timeout_s=timeout_s,
-                                    token=token)
+                                    token=token, environ=environ)
         kind = resolve_backend(settings.backend, settings.nccl.engine)
         if settings.source != "arguments":
             log.info("rank %d of %d (from %s); coordinator %s:%d", settings.rank, settings.world_size,
@@ -116,13 +119,10 @@ class Job:
         # Up before the rendezvous (or earlier: start_health_server), so kubelet's liveness probe
         # passes while ranks gather; readiness waits for the communicator. On rank 0 too: the health
         # port answers for this rank, not for the coordinator it hosts (kubelet restarts a rank, not a coordinator).
-        self.health = _health.process_health() or _health.running()
-        if self.rank == 0 and settings.embedded:
-            server = CoordinatorSettings.resolve(
-                self.world_size, bind=settings.bind, port=dial.port, token=dial.token, job_id=dial.job_id,
-                heartbeat_timeout_s=settings.heartbeat_timeout_s, tls=dial.tls, metrics_port=settings.metrics_port,
-                call_timeout_s=dial.timeout_s)
-            self.coordinator = Coordinator(settings=server).start()
+        wanted = settings.health_port
+        self.health = (_health.process_health(wanted, settings.bind) if wanted is not None else None) or _health.running()
+        if settings.coordinator is not None:
+            self.coordinator = Coordinator(settings=settings.coordinator).start()
             # Why: rank 0 dials its own server directly, not through a DNS name that may lag (with
             # TLS it keeps the configured name, which the certificate is issued for, unless
             # GRIDCOMM_TLS_SERVER_NAME says what to verify).
@@ -164,7 +164,8 @@ class Job:
                                  participants=() if everyone else members, failed=lambda: client.failure,
                                  timeout_s=timeout_s, nccl=self.settings.nccl)
 
-        return Communicator(make, client, members=members, job=self)
+        return Communicator(make, client, members=members, job=self,
+                            fingerprints="collectives" in self.settings.debug)
 
     @property
     def grace_s(self) -> float:

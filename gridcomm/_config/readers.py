@@ -1,5 +1,7 @@
 """One reader per setting, and the only module of gridcomm that touches ``os.environ``; it does
 so at call time (when :mod:`gridcomm._config.settings` resolves a settings object), never at import.
+Readers only read; the one change to the environment is :func:`withhold_token`, at the end of a
+resolve.
 
 Order of precedence for every setting: explicit argument, ``GRIDCOMM_*``, compatible conventions
 (cupyx, torchrun/Kubeflow, Kubernetes Indexed Job), then a default or a :class:`ConfigError` that
@@ -72,8 +74,8 @@ def parse_duration(name: str, value: object, *, allow_zero: bool = False) -> flo
 
 
 #: The most ranks one coordinator is started for. Why a bound: a world size comes from the
-#: command line or the environment, and ``gridcomm serve --world-size 1000000000`` died on a
-#: MemoryError; 2**20 is 64 times the largest job measured (16,384 ranks).
+#: command line or the environment, and a coordinator sized for a billion ranks dies on a
+#: MemoryError before it can say why; 2**20 is far above any job gridcomm is built for.
 MAX_WORLD_SIZE = 1 << 20
 
 
@@ -201,13 +203,26 @@ def heartbeat_timeout_s(explicit: float | None = None, environ: Mapping[str, str
     return DEFAULT_HEARTBEAT_TIMEOUT_S if found is None else parse_duration(found[0], found[1])
 
 
+def timeout_source(explicit: float | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """Where the call timeout :func:`timeout_s` returns comes from: ``timeout_s`` (the argument),
+    ``GRIDCOMM_TIMEOUT_S``, or ``""`` (the default), for messages that name it."""
+    if explicit is not None:
+        return "timeout_s"
+    return "" if _first(_env(environ), ("GRIDCOMM_TIMEOUT_S",)) is None else "GRIDCOMM_TIMEOUT_S"
+
+
 def stall_timeout_s(explicit: float | None = None, environ: Mapping[str, str] | None = None, *,
-                    call_timeout_s: float | None = None) -> float:
+                    call_timeout_s: float | None = None, call_timeout_name: str | None = None) -> float:
     """The stall bound: argument, GRIDCOMM_STALL_TIMEOUT_S (``0``: off), then 120 s, or the call
-    timeout (GRIDCOMM_TIMEOUT_S) where that is shorter; a bound above the call timeout is refused
-    (the calls would time out, naming nobody useful, before the stall is named)."""
+    timeout (``call_timeout_s``, else GRIDCOMM_TIMEOUT_S) where that is shorter; a bound above the
+    call timeout is refused (the calls would time out, naming nobody useful, before the stall is
+    named). ``call_timeout_name`` is where ``call_timeout_s`` came from (see timeout_source), so
+    the refusal names the setting to change."""
     env = _env(environ)
-    call_s = timeout_s(None, env) if call_timeout_s is None else call_timeout_s
+    if call_timeout_s is None:
+        call_s, call_name = timeout_s(None, env), timeout_source(None, env)
+    else:
+        call_s, call_name = call_timeout_s, "call_timeout_s" if call_timeout_name is None else call_timeout_name
     if explicit is not None:
         name, value = "stall_timeout_s", parse_duration("stall_timeout_s", explicit, allow_zero=True)
     else:
@@ -216,8 +231,9 @@ def stall_timeout_s(explicit: float | None = None, environ: Mapping[str, str] | 
             return min(DEFAULT_STALL_TIMEOUT_S, call_s)
         name, value = found[0], parse_duration(found[0], found[1], allow_zero=True)
     if value > call_s:
-        raise ConfigError(f"{name}={value:g} is longer than the call timeout GRIDCOMM_TIMEOUT_S={call_s:g}: every "
-                          f"wait would end first, naming nobody; set {name} to at most {call_s:g} (0 turns it off).")
+        shown = f"{call_name}={call_s:g}" if call_name else f"({call_s:g} s, the default)"
+        raise ConfigError(f"{name}={value:g} is longer than the call timeout {shown}: every wait would end first, "
+                          f"naming nobody; set {name} to at most {call_s:g} (0 turns it off).")
     return value
 
 
@@ -234,32 +250,20 @@ def debug_flags(environ: Mapping[str, str] | None = None) -> frozenset[str]:
     return flags
 
 
-#: The token this process read from GRIDCOMM_TOKEN and took out of its environment.
+#: The token :func:`withhold_token` took out of this process's environment.
 _taken_token: str | None = None
 
 
 def token(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
     """The shared secret: argument, GRIDCOMM_TOKEN, then the contents of GRIDCOMM_TOKEN_FILE.
 
-    Read from the process environment, GRIDCOMM_TOKEN is removed from it (and remembered), so
-    the processes the program starts do not inherit the secret, unless GRIDCOMM_TOKEN_INHERIT
-    asks to keep it there. Why: a data loader, a shell-out or a crash reporter would otherwise
-    carry it. ``/proc/PID/environ`` (readable by the same user only) still shows the start-up
-    environment; GRIDCOMM_TOKEN_FILE keeps the secret out of it altogether."""
-    global _taken_token
+    Reads only: a token :func:`withhold_token` took out of the process environment is still
+    this process's (the default ``environ``)."""
     if explicit is not None:
         return validate_token("token", explicit)
     env = _env(environ)
-    if env is os.environ:
-        found = _first(env, ("GRIDCOMM_TOKEN",))
-        if found is None and env.get("GRIDCOMM_TOKEN", "") == "" and _taken_token is not None:
-            return _taken_token
-        if found is not None:
-            value = validate_token(found[0], found[1])
-            if not token_inherited(env):
-                os.environ.pop("GRIDCOMM_TOKEN", None)
-                _taken_token = value
-            return value
+    if env is os.environ and env.get("GRIDCOMM_TOKEN", "") == "" and _taken_token is not None:
+        return _taken_token
     raw = env.get("GRIDCOMM_TOKEN")
     if raw is not None and raw != "" and not raw.strip():
         # Why not "unset": every other setting reads blank as unset, but a secret that is set to
@@ -279,6 +283,24 @@ def token(explicit: str | None = None, environ: Mapping[str, str] | None = None)
         raise ConfigError(f"GRIDCOMM_TOKEN_FILE={found[1]!r} cannot be read: {exc.strerror}; is the file (in "
                           "Kubernetes: the Secret mounted there, with its key) in place?") from exc
     return validate_token("GRIDCOMM_TOKEN_FILE", text)
+
+
+def withhold_token(environ: Mapping[str, str] | None = None) -> None:
+    """Takes GRIDCOMM_TOKEN out of the process environment (``environ`` None or the process's)
+    once its settings are resolved, and remembers it for :func:`token`, unless
+    GRIDCOMM_TOKEN_INHERIT asks to keep it there. Why: the processes the program starts (a data
+    loader, a shell-out, a crash reporter) would otherwise carry the secret. ``/proc/PID/environ``
+    (readable by the same user only) still shows the start-up environment; GRIDCOMM_TOKEN_FILE
+    keeps the secret out of it altogether. The one place gridcomm changes the environment; an
+    ``environ`` mapping passed in is never changed."""
+    global _taken_token
+    env = _env(environ)
+    if env is not os.environ or token_inherited(env):
+        return
+    found = _first(env, ("GRIDCOMM_TOKEN",))
+    if found is not None:
+        _taken_token = validate_token(found[0], found[1])
+        os.environ.pop("GRIDCOMM_TOKEN", None)
 
 
 def validate_token(name: str, value: object) -> str:

@@ -52,6 +52,15 @@ class ClientSettings:
                 job_id: str | None = None, tls: TlsFiles | None = None, session: str | None = None,
                 relay: str | None = None, relay_addresses: str | None = None,
                 environ: Mapping[str, str] | None = None) -> ClientSettings:
+        settings = cls._read(host, port, rank, world_size, token, timeout_s, job_id=job_id, tls=tls, session=session,
+                             relay=relay, relay_addresses=relay_addresses, environ=environ)
+        readers.withhold_token(environ)
+        return settings
+
+    @classmethod
+    def _read(cls, host: str | None, port: int | None, rank: int | None, world_size: int | None, token: str | None,
+              timeout_s: float | None, *, job_id: str | None, tls: TlsFiles | None, session: str | None,
+              relay: str | None, relay_addresses: str | None, environ: Mapping[str, str] | None) -> ClientSettings:
         size = readers.world_size(world_size, environ)
         me = readers.rank(rank, size, environ)
         dial_host, dial_port = readers.coordinator_address(host, port, environ)
@@ -97,6 +106,7 @@ class CoordinatorSettings:
                 job_id: str | None = None, heartbeat_timeout_s: float | None = None, tls: TlsFiles | None = None,
                 health_port: int | None = None, metrics_port: int | None = None,
                 stall_timeout_s: float | None = None, call_timeout_s: float | None = None,
+                call_timeout_name: str | None = None,
                 environ: Mapping[str, str] | None = None) -> CoordinatorSettings:
         _, requested = readers.coordinator_address("localhost", port, environ)
         return cls(world_size=readers.world_size(world_size), bind=readers.validate_host("bind", bind), port=requested,
@@ -104,7 +114,8 @@ class CoordinatorSettings:
                    job_id=readers.job_id(job_id, environ),
                    heartbeat_timeout_s=readers.heartbeat_timeout_s(heartbeat_timeout_s, environ),
                    health_port=health_port, metrics_port=metrics_port,
-                   stall_timeout_s=readers.stall_timeout_s(stall_timeout_s, environ, call_timeout_s=call_timeout_s),
+                   stall_timeout_s=readers.stall_timeout_s(stall_timeout_s, environ, call_timeout_s=call_timeout_s,
+                                                           call_timeout_name=call_timeout_name),
                    metrics_linger_s=readers.metrics_linger_s(environ))
 
     @classmethod
@@ -114,10 +125,12 @@ class CoordinatorSettings:
         """A standalone coordinator's (``gridcomm serve``): each setting from its command-line
         flag, else the environment (address, secret, TLS, health and metrics ports included)."""
         _, requested = readers.coordinator_address("localhost", port, environ)
-        return cls.resolve(readers.world_size(world_size, environ), readers.bind_address(bind, environ), requested,
-                           readers.token(None, environ), job_id=job_id, tls=readers.tls(environ),
-                           health_port=readers.health_port(None, environ),
-                           metrics_port=readers.metrics_port(metrics_port, environ), environ=environ)
+        settings = cls.resolve(readers.world_size(world_size, environ), readers.bind_address(bind, environ), requested,
+                               readers.token(None, environ), job_id=job_id, tls=readers.tls(environ),
+                               health_port=readers.health_port(None, environ),
+                               metrics_port=readers.metrics_port(metrics_port, environ), environ=environ)
+        readers.withhold_token(environ)
+        return settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +171,13 @@ class Settings:
     nccl: NcclSettings
     #: Which detector named the rank ("gridcomm", "torchrun", ...), or "arguments".
     source: str
+    #: The embedded coordinator's settings where this rank hosts it (rank 0, embedded), from the
+    #: same environment as the rest; else None.
+    coordinator: CoordinatorSettings | None = None
+    #: GRIDCOMM_DEBUG's checks (``collectives``: every communicator of the job fingerprints its calls).
+    debug: frozenset[str] = frozenset()
+    #: GRIDCOMM_HEALTH_PORT: this rank's health port (None: none, unless one was started already).
+    health_port: int | None = None
 
     @property
     def rank(self) -> int:
@@ -192,11 +212,25 @@ class Settings:
             if host is None:
                 host = info.host
                 port = info.port if port is None else port
-        client = ClientSettings.resolve(host, port, rank, n_devices, token, timeout_s, environ=env,
-                                        relay_addresses=info.relay_addresses if info is not None else None)
-        return cls(client=client, backend=readers.backend(backend, env),
-                   embedded=readers.coordinator_mode(env) == "embedded",
-                   heartbeat_timeout_s=readers.heartbeat_timeout_s(None, env), bind=readers.bind_address(None, env),
-                   metrics_port=readers.metrics_port(None, env),
-                   plane=PlaneSettings(data_host=readers.data_host(env), shm=readers.shared_memory(env)),
-                   nccl=NcclSettings.resolve(env), source="arguments" if info is None else info.source)
+        client = ClientSettings._read(host, port, rank, n_devices, token, timeout_s, job_id=None, tls=None,
+                                      session=None, relay=None, environ=env,
+                                      relay_addresses=info.relay_addresses if info is not None else None)
+        embedded = readers.coordinator_mode(env) == "embedded"
+        heartbeat_s = readers.heartbeat_timeout_s(None, env)
+        bind = readers.bind_address(None, env)
+        metrics = readers.metrics_port(None, env)
+        coordinator = None
+        if embedded and client.rank == 0:
+            coordinator = CoordinatorSettings.resolve(
+                client.world_size, bind=bind, port=client.port, token=client.token, job_id=client.job_id,
+                heartbeat_timeout_s=heartbeat_s, tls=client.tls, metrics_port=metrics,
+                call_timeout_s=client.timeout_s, call_timeout_name=readers.timeout_source(timeout_s, env), environ=env)
+        settings = cls(client=client, backend=readers.backend(backend, env), embedded=embedded,
+                       heartbeat_timeout_s=heartbeat_s, bind=bind, metrics_port=metrics,
+                       plane=PlaneSettings(data_host=readers.data_host(env), shm=readers.shared_memory(env)),
+                       nccl=NcclSettings.resolve(env), source="arguments" if info is None else info.source,
+                       coordinator=coordinator, debug=readers.debug_flags(env),
+                       health_port=readers.health_port(None, env))
+        # Last, once every setting is read: a resolve that fails leaves the environment as it was.
+        readers.withhold_token(env)
+        return settings

@@ -637,7 +637,7 @@ def _response(status: int, content_type: str, body: bytes, extra: Sequence[str] 
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (b"" if head_only else body)
 
 
-def serve_metrics(coordinator: Any, port: int, bind: str | None = None) -> MetricsServer:
+def serve_metrics(coordinator: Any, port: int, bind: str) -> MetricsServer:
     """Serves ``coordinator``'s metrics as Prometheus text at ``http://BIND:PORT/metrics`` (see
     :class:`MetricsServer` for how it stays bounded); ``port=0`` picks a free port (``.port``
     says which)."""
@@ -645,7 +645,7 @@ def serve_metrics(coordinator: Any, port: int, bind: str | None = None) -> Metri
 
     from prometheus_client import CollectorRegistry
 
-    host = _config.bind_address(bind)
+    host = _config.validate_host("bind", bind)  # the coordinator's resolved bind address
     target = _config.format_target(host, port)
     problem = bind_problem(target)
     if problem is not None:

@@ -43,11 +43,11 @@ from gridcomm._wire import SERVICE_NAME, UNDECODABLE, decoder
 log = logging.getLogger(__name__)
 
 #: Connections the coordinator holds beyond 4 per rank. Why this many: the count cannot tell a
-#: rank's connection from an unauthenticated one, so it is set far above what ranks need (4 per
-#: rank + 1,024 was filled by ~1,030 idle sockets, locking replacements out) and idle eviction
-#: (30 s, see gridcomm._runtime.guard) is what frees connections that never make a call; the
-#: cap only bounds descriptors and memory: an idle connection costs the server ~17 KB, ~48 KB
-#: with TLS, so 8,192 are ~140 MB (~400 MB with TLS), inside the recoverable layout's 1 GiB pod.
+#: rank's connection from an unauthenticated one, so it is set far above what ranks need (a
+#: small margin is filled by idle sockets, locking replacements out) and idle eviction (30 s, see
+#: gridcomm._runtime.guard) is what frees connections that never make a call; the cap only
+#: bounds descriptors and memory: an idle connection costs the server tens of KB (more with TLS),
+#: so 8,192 of them stay within a few hundred MB, inside the recoverable layout's 1 GiB pod.
 SPARE_CONNECTIONS = 8_192
 
 

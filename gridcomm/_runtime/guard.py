@@ -6,11 +6,11 @@ Two pieces, shared by the coordinator's port, its plaintext health port and a ra
   grpcio 1.84 and 1.85 end the aio server's loop on one HTTP/2 request whose ``:path`` is not
   UTF-8 (the process lives on, the port refuses connections, nothing is raised to the owner);
   no server option or interceptor sees that request first. A watchdog that polls the server's
-  running state and binds a fresh server with the same handlers was measured serving again in
-  ~25 ms, with the ranks' waits intact (their state lives in the servicer, not the server).
+  running state and binds a fresh server with the same handlers serves again within tens of
+  milliseconds, with the ranks' waits intact (their state lives in the servicer, not the server).
 - :class:`BoundedHealth` is the stock ``grpc.health.v1`` servicer with a cap on concurrent
-  ``Watch`` streams: health needs no token (kubelet sends none), and each open Watch costs the
-  server ~25 KB, so 20,000 of them grew a coordinator by ~500 MB.
+  ``Watch`` streams: health needs no token (kubelet sends none), and each open Watch holds
+  tens of KB of the server's memory, so without a cap anyone could grow it without bound.
 
 And the options of those servers (:func:`control_server_options`, :func:`health_server_options`).
 Connections are limited by idleness, not by a count a caller without the token can fill: gRPC
@@ -61,16 +61,16 @@ log = logging.getLogger(__name__)
 #: task to end (a grpcio whose server keeps no such task), and the first retry of a rebind.
 POLL_S = 0.02
 #: How often it looks anyway while it waits for that task. Why not a short poll throughout:
-#: a timer's wake-up costs ~0.2 ms of CPU on these VMs, so 50 a second was ~10 ms/s per server
-#: (a coordinator has two, every relay and rank health port one) with nothing happening.
+#: every timer wake-up costs CPU, and 50 a second per server (a coordinator has two, every relay
+#: and rank health port one) would cost a steady share of a core with nothing happening.
 BACKSTOP_S = 2.0
 #: Concurrent health Watch streams one server answers; kubelet uses Check, not Watch.
 MAX_HEALTH_WATCHERS = 64
 #: Health requests read at once. Why: they need no token, so each is read whole (up to the
 #: server's message limit) before anything can refuse it; past this many they are refused unread.
 MAX_HEALTH_READS = 32
-#: Header block a caller may send (a token is at most 4 KiB). Why: a 1 MiB header block cost
-#: ~1 MB per connection, kept after the connection closed.
+#: Header block a caller may send (a token is at most 4 KiB). Why: grpcio keeps the memory of a
+#: large header block after the connection closes, so an unbounded one grows the server per connection.
 MAX_METADATA_BYTES = 16 * 1024
 #: How long a health call may take to send its request after its headers. Why: a call waiting
 #: for its request keeps its connection from being idle (and holds one of MAX_HEALTH_READS);
@@ -188,8 +188,8 @@ def control_server_options(max_connections: int) -> list[tuple[str, Any]]:
         ("grpc.max_connection_idle_ms", int(CONTROL_IDLE_S * 1000)),
         # Why no BDP probing, and a fixed 1 MiB window per stream (one chunk in flight): BDP
         # probing widens every stream's flow-control window, which is what a call refused before
-        # its body was read can still make the server buffer (12 unauthenticated 79 MiB Sets:
-        # +24-35 MB with it on 2 cores, +103 MB on 16; +1-5 MB without).
+        # its body was read can still make the server buffer (with it, unauthenticated large Sets
+        # grow the server by tens of MB; without it, by the one window each).
         ("grpc.http2.bdp_probe", 0),
         ("grpc.http2.lookahead_bytes", CHUNK_BYTES),
         # Why generous: liveness comes from heartbeats and connection loss, not keepalive; an
@@ -293,6 +293,8 @@ class GuardedServer:
         self._serving: asyncio.Future[Any] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._stopping = False
+        #: The stop in progress of each server this guard stopped (see _stop_once).
+        self._stops: dict[int, asyncio.Future[None]] = {}
         self.port = 0
         #: Times the server was found dead and bound again.
         self.restarts = 0
@@ -344,9 +346,21 @@ class GuardedServer:
                       "binding a new server on the same port", self.name, self.port)
             await self._rebind(server)
 
+    def _stop_once(self, server: grpc.aio.Server, grace_s: float | None) -> asyncio.Future[None]:
+        """Stops ``server``, or joins the stop of it already under way. Why: grpcio's shutdown of
+        one server run twice at once (stop() while the watchdog disposes of a dead server) can
+        crash the process in its core; a stop is shielded so that cancelling a waiter leaves it
+        to finish."""
+        stopping = self._stops.get(id(server))
+        if stopping is None:
+            stopping = asyncio.ensure_future(server.stop(grace_s))
+            self._stops[id(server)] = stopping
+            stopping.add_done_callback(lambda _: self._stops.pop(id(server), None))
+        return asyncio.shield(stopping)
+
     async def _rebind(self, dead: grpc.aio.Server) -> None:
         try:
-            await dead.stop(0)
+            await self._stop_once(dead, 0)
         except Exception:  # noqa: BLE001 - the old server is gone either way
             pass
         target = self._target.rsplit(":", 1)[0] + f":{self.port}"
@@ -376,7 +390,7 @@ class GuardedServer:
             self._watchdog.cancel()
         server, self._server = self._server, None
         if server is not None:
-            await server.stop(grace_s)
+            await self._stop_once(server, grace_s)
 
 
 def _consume(task: asyncio.Future[Any]) -> None:

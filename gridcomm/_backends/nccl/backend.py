@@ -339,8 +339,8 @@ class NcclBackend:
         nccl_type, count = self._typed(array, method, name)  # the shared checks, array first
         return nccl_type, count, _validate.peer(method, peer, self.rank, self.world_size)
 
-    # send and recv spell their fast check out rather than share a helper: a helper's frame was
-    # 40 ns of the ~280 ns they add to NCCL's call (benchmarks/overhead_probe.py).
+    # send and recv spell their fast check out rather than share a helper: a helper's frame is a
+    # sizeable share of what they add to NCCL's call (benchmarks/overhead_probe.py measures it).
     def send(self, array: Any, peer: int, stream: Any = None) -> None:
         try:
             nccl_type, mult = self._by_id[id(array.dtype)]

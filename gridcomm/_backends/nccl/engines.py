@@ -16,9 +16,9 @@ log = logging.getLogger(__name__)
 
 
 #: NCCL init is polled every _POLL_FIRST_S at first, backing off to _POLL_MAX_S. Why so often: the
-#: init and its split take ~20 ms each at world size 1, and at a 10 ms cap the polls' late wakeups
-#: added ~25 ms to init_process_group (benchmarks/nccl_init_probe.py on an H200: 72.7 ms at 10 ms,
-#: 45.5 ms at 0.5 ms); a poll is one ncclCommGetAsyncError, ~1,000 a second at most.
+#: init and its split take tens of ms each at small world sizes, so a coarse poll's late wakeup
+#: would add a large share of init_process_group (benchmarks/nccl_init_probe.py compares caps);
+#: a poll is one ncclCommGetAsyncError, ~1,000 a second at most.
 _POLL_FIRST_S, _POLL_MAX_S = 0.0002, 0.001
 
 
@@ -266,8 +266,8 @@ class _Split:
 
     :meth:`ready` (the backend's first call) waits for that and returns the child's handle, or
     raises what ended the split (the split's parent and child are aborted then). Why a thread
-    and not the caller: NCCL's split proceeds on its own, but the parent's ncclCommDestroy takes
-    ~0.5 s (H200, NCCL 2.28.9), which nobody should wait for; it has run no operation, so it has
+    and not the caller: NCCL's split proceeds on its own, but the parent's ncclCommDestroy can
+    take a large part of a second, which nobody should wait for; it has run no operation, so it has
     nothing to flush, and the child does not share its resources (NCCL's splitShare is 0).
 
     Every touch of the parent or child while the split is unfinished holds ``_lock``: an abort

@@ -18,6 +18,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 
+from gridcomm import _config
 from gridcomm._errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ def version_text(code: int) -> str:
 
 def mode_on(environ: Mapping[str, str] | None = None) -> bool:
     """True when NCCL_MULTI_RANK_GPU_ENABLE asks for NCCL's several-ranks-per-GPU mode."""
-    env = os.environ if environ is None else environ
+    # The process's own environment: NCCL reads the variable there, whatever gridcomm resolved.
+    env = _config.process_environ() if environ is None else environ
     return env.get("NCCL_MULTI_RANK_GPU_ENABLE", "").strip() == "1"
 
 

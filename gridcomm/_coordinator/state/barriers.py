@@ -140,8 +140,8 @@ class Barriers(StateBase):
                 and tuple(participants) == barrier.members:
             # The group this barrier was opened for, checked then. Why it need not be checked
             # again: after the rendezvous a generation's members change only with the next
-            # generation, which starts with no barriers. Checked per arrival it cost O(group), so
-            # a barrier of a 2,047-rank split cost 207 us an arrival.
+            # generation, which starts with no barriers. Checked per arrival it would cost
+            # O(group) per arrival, O(group^2) per barrier.
             members = barrier.members
         else:
             members = self._participants(name, rank, participants)

@@ -14,8 +14,8 @@ import sys
 from gridcomm._coordinator.state.common import INVALID_ARGUMENT, RESOURCE_EXHAUSTED, StateBase, StateError, quote
 
 #: What a key costs beyond its key's string object and its value's bytes: the value's object
-#: header, its entries in ``kv`` and ``_versions`` and its version number (measured 140-220
-#: bytes with the header; a dict that grows holds twice its table for a moment, hence more).
+#: header, its entries in ``kv`` and ``_versions`` and its version number (a few hundred bytes
+#: in CPython; a dict that grows holds twice its table for a moment, hence the margin).
 KEY_OVERHEAD = 224
 #: What a value arriving in pieces costs beyond its announced size and its key: its record, its
 #: (rank, key) entry, and the bytearray's spare room as it grows (counted as an eighth more).
