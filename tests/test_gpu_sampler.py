@@ -19,6 +19,7 @@ class Driver:
                  broken: bool = False) -> None:
         self.release = threading.Event()
         self.recorded = threading.Event()
+        self.destroyed = threading.Event()
         self.done, self.record_blocks, self.capturing, self.broken = done, record_blocks, capturing, broken
         self.calls: list[str] = []
 
@@ -43,6 +44,10 @@ class Driver:
         self.calls.append("query")
         return self.done or self.release.is_set()
 
+    def destroy_event(self, event: object) -> None:
+        self.calls.append("destroy_event")
+        self.destroyed.set()
+
 
 def _poll_until(sampler: GpuSampler, entered: int, ok, what: str) -> tuple[int, float]:
     """Polls as the heartbeat does (each poll must return at once) until ``ok(result)``."""
@@ -65,6 +70,9 @@ def test_a_hung_gpu_shows_as_a_growing_wait_and_completion_once_it_ends():
         assert completed == 0
         driver.release.set()  # the GPU gets through
         _poll_until(sampler, 3, lambda r: r == (3, 0.0), "completion not seen")
+        sampler.stop()
+        assert driver.destroyed.wait(30)  # the thread ends and frees its event
+        assert sampler.poll(4, STREAM) == (4, 0.0)  # stopped: nothing more is sampled
     finally:
         driver.release.set()
         sampler.stop()

@@ -38,6 +38,7 @@ class Driver(Protocol):
     def is_capturing(self, stream: int) -> bool: ...
     def record(self, event: Any, stream: int) -> None: ...
     def query(self, event: Any) -> bool: ...
+    def destroy_event(self, event: Any) -> None: ...
 
 
 class CudaDriver:
@@ -76,6 +77,9 @@ class CudaDriver:
 
     def query(self, event: Any) -> bool:
         return self._call("cuEventQuery", event) == 0
+
+    def destroy_event(self, event: Any) -> None:
+        self._call("cuEventDestroy_v2", event)
 
 
 class GpuSampler:
@@ -138,9 +142,11 @@ class GpuSampler:
                 self._wake.wait(IDLE_S)
                 self._wake.clear()
                 with self._lock:
-                    if self._stopped:
-                        return
+                    stopped = self._stopped
                     (entered, stream), pending = self._asked, self._pending
+                if stopped:
+                    self._cuda(driver.destroy_event, event)  # CUDA frees it once the GPU is done with it
+                    return
                 if pending is not None:
                     if not self._cuda(driver.query, event):
                         continue
