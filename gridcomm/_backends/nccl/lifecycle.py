@@ -34,7 +34,11 @@ def _bounded(call: Callable[[], Any], name: str, wait_s: float) -> tuple[bool, B
             outcome.append(None)
 
     thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError:  # the interpreter is shutting down: no new threads; unbounded, as NCCL's own
+        run()
+        return True, outcome[0]
     thread.join(wait_s)
     if thread.is_alive():
         return False, None
