@@ -4,7 +4,8 @@
 # engine GRIDCOMM_NCCL_ENGINE picks (auto: nccl4py where it loads), the world-size-1 conformance
 # again with CuPy's binding (GRIDCOMM_NCCL_ENGINE=cupy), the per-call probes and the collective
 # benchmark at world size 1 and, with 2+ GPUs, 2 (one process per GPU), and leaves logs in $OUT
-# (or ./gpu-out): gpu.txt, gpu-tests.log, cupy-engine.log, probe.log, collectives-wsN.md/.json.
+# (or ./gpu-out): gpu.txt, gpu-tests.log, cupy-engine.log, probe.log, nccl-ranks.md/.json,
+# collectives-wsN.md/.json.
 # BENCH_ARGS adds arguments to both benchmark runs (e.g. "--rounds 5 --sweep-max 268435456").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +46,16 @@ try:
 except Exception as exc:
     print("nccl4py:", repr(exc))
 PY
-python3 -m pytest -m "gpu or multi_gpu" -v -s -p no:cacheprovider tests/test_gpu.py tests/test_conformance.py 2>&1 | tee "$OUT/gpu-tests.log"
+# Several ranks on one GPU (tests/test_gpu_ranks.py, and test_gpu.py's 2-rank tests where GPUs are
+# fewer) need NCCL >= 2.30 in both CuPy and nccl4py: NCCL_LIB, a libnccl.so.2 (e.g. the
+# nvidia-nccl-cu13 wheel's nvidia/nccl/lib/libnccl.so.2), is preloaded for both; they skip, saying
+# why, with an older NCCL.
+if [ -n "${NCCL_LIB:-}" ]; then
+  export LD_PRELOAD=$NCCL_LIB${LD_PRELOAD:+:$LD_PRELOAD} LD_LIBRARY_PATH=$(dirname "$NCCL_LIB")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+python3 -c "from gridcomm._backends import nccl as n; from gridcomm._backends.nccl import sharing as s; print('NCCL for several ranks per GPU:', s.version_text(n.nccl_version()))" 2>&1 | tee -a "$OUT/gpu.txt"
+python3 -m pytest -m "gpu or multi_gpu" -v -s -p no:cacheprovider tests/test_gpu.py tests/test_gpu_ranks.py \
+  tests/test_conformance.py 2>&1 | tee "$OUT/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
 # CuPy's binding stays the engine where nccl4py is missing: its conformance too.
 GRIDCOMM_NCCL_ENGINE=cupy python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_conformance.py 2>&1 \
@@ -55,6 +65,8 @@ python3 benchmarks/overhead_probe.py 2>&1 | tee "$OUT/probe.log"
 for engine in auto cupy; do
   GRIDCOMM_NCCL_ENGINE=$engine python3 benchmarks/callpath_probe.py --rounds 11 2>&1 | tee -a "$OUT/probe.log"
 done
+# gridcomm against raw NCCL with 2 and 4 ranks (sharing GPUs where they are fewer): init and per call.
+python3 benchmarks/nccl_ranks.py --json "$OUT/nccl-ranks.json" 2>&1 | tee "$OUT/nccl-ranks.md"
 gpus=$(nvidia-smi -L | grep -c '^GPU')
 bench_rc=0
 for ws in 1 2; do

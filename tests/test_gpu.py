@@ -1,9 +1,10 @@
 """GPU-only checks (marker ``gpu``), run on the device machine: see the README's GPU command.
 
-One GPU: world size 1 (NCCL refuses two ranks on one GPU), plus 2-rank NCCL inits whose peer never
-arrives (they must end in an error, aborted, within the deadline). Two GPUs (``multi_gpu``, skipped
-with fewer): conformance at world size 2, a peer killed inside an NCCL all_reduce, and recovery in
-place (``rebuild()`` with a replacement process, ``shrink()`` to the survivor).
+One GPU: world size 1, plus 2-rank NCCL inits whose peer never arrives (they must end in an error,
+aborted, within the deadline). Two ranks (``multi_gpu``: a GPU each, or both on one GPU in NCCL's
+multi-rank mode with NCCL >= 2.30, skipped otherwise): conformance at world size 2, a peer killed
+inside an NCCL all_reduce, and recovery in place (``rebuild()`` with a replacement process,
+``shrink()`` to the survivor). tests/test_gpu_ranks.py runs more ranks on one GPU.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 
 import pytest
 
+from tests.support.gpus import ranks_on_gpus
 from tests.support.procs import ROOT, WORKER, RankProcesses, report
 
 pytestmark = pytest.mark.gpu
@@ -295,24 +297,15 @@ def test_a_collective_on_a_temporary_stream_leaves_the_heartbeat_sample_safe():
         f"rc {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
 
 
-def _gpus() -> int:
-    try:
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:  # noqa: BLE001 - no driver: no GPU
-        return 0
-
-
 @pytest.mark.multi_gpu
 @pytest.mark.timeout(600)
 def test_nccl_conformance_two_gpus():
-    if _gpus() < 2:
-        pytest.skip("needs 2 GPUs (NCCL refuses two ranks on one GPU)")
+    placed = ranks_on_gpus(2)  # one GPU: both on it in NCCL's multi-rank mode (NCCL >= 2.30)
     from tests.support.procs import free_port
 
     env = {"BACKEND": "nccl", "GRIDCOMM_PORT": str(free_port()), "GRIDCOMM_BIND": "127.0.0.1",
            "GRIDCOMM_TIMEOUT_S": "120"}
-    results = RankProcesses(WORKER, 2, env=env, per_rank_env={0: {"CUDA_VISIBLE_DEVICES": "0"},
-                                                              1: {"CUDA_VISIBLE_DEVICES": "1"}}).wait(560)
+    results = RankProcesses(WORKER, 2, env=env, per_rank_env=placed).wait(560)
     for rank in (0, 1):
         match = re.search(r"SUMMARY passed=(\d+) failed=(\d+)", results[rank].stdout)
         assert match and results[rank].returncode == 0, report(results)
@@ -323,8 +316,7 @@ def test_nccl_conformance_two_gpus():
 @pytest.mark.multi_gpu
 @pytest.mark.timeout(180)
 def test_peer_killed_inside_an_nccl_collective_aborts_the_survivor():
-    if _gpus() < 2:
-        pytest.skip("needs 2 GPUs")
+    placed = ranks_on_gpus(2)
     from tests.support.procs import free_port
 
     code = """
@@ -349,8 +341,7 @@ print("NO FAILURE", flush=True)
 """
     env = {"GRIDCOMM_PORT": str(free_port()), "GRIDCOMM_BIND": "127.0.0.1", "GRIDCOMM_HEARTBEAT_TIMEOUT_S": "4",
            "GRIDCOMM_TIMEOUT_S": "60"}
-    results = RankProcesses(code, 2, env=env, per_rank_env={0: {"CUDA_VISIBLE_DEVICES": "0"},
-                                                            1: {"CUDA_VISIBLE_DEVICES": "1"}}).wait(120)
+    results = RankProcesses(code, 2, env=env, per_rank_env=placed).wait(120)
     out = results[0].stdout
     print(out)
     assert "OUTCOME" in out, report(results)
@@ -568,7 +559,7 @@ def _recovery(mode: str) -> dict:
     server = gridcomm.Coordinator(2, bind="127.0.0.1", port=0).start()
     env = {"GRIDCOMM_COORDINATOR": "external", "GRIDCOMM_HOST": "127.0.0.1", "GRIDCOMM_PORT": str(server.port),
            "GRIDCOMM_HEARTBEAT_TIMEOUT_S": "4", "GRIDCOMM_TIMEOUT_S": "120", "MODE": mode}
-    gpus = {0: {"CUDA_VISIBLE_DEVICES": "0"}, 1: {"CUDA_VISIBLE_DEVICES": "1"}}
+    gpus = ranks_on_gpus(2)
     try:
         first = RankProcesses(RECOVERY, 2, env=env, per_rank_env=gpus)
         replacement = None
@@ -592,8 +583,6 @@ def _recovery(mode: str) -> dict:
 @pytest.mark.multi_gpu
 @pytest.mark.timeout(400)
 def test_rank_killed_in_an_nccl_loop_is_replaced_and_the_survivor_rebuilds():
-    if _gpus() < 2:
-        pytest.skip("needs 2 GPUs")
     results = _recovery("rebuild")
     out0, out1 = results[0].stdout, results[1].stdout
     assert results[0].returncode == 0 and results[1].returncode == 0, report(results)
@@ -606,8 +595,6 @@ def test_rank_killed_in_an_nccl_loop_is_replaced_and_the_survivor_rebuilds():
 @pytest.mark.multi_gpu
 @pytest.mark.timeout(400)
 def test_rank_killed_in_an_nccl_loop_the_survivor_shrinks_to_one():
-    if _gpus() < 2:
-        pytest.skip("needs 2 GPUs")
     results = _recovery("shrink")
     out0 = results[0].stdout
     assert results[0].returncode == 0, report(results)

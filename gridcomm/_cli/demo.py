@@ -94,17 +94,30 @@ def _worker() -> int:
     return 0 if all(r["ok"] for r in report["results"].values()) else 1
 
 
+def _auto_backend(nproc: int, environ: dict[str, str]) -> str:
+    """NCCL where every rank can have a GPU: one each, or several on one in NCCL's multi-rank mode
+    (NCCL >= 2.30; rank_environments turns it on); else host."""
+    from gridcomm._backends import nccl as _nccl
+    from gridcomm._backends.nccl.sharing import MULTI_RANK_MIN_NCCL
+    from gridcomm._cli.launch import visible_gpus
+
+    gpus = len(visible_gpus(environ))
+    if gpus == 0 or not _nccl.available():
+        return "host"
+    if gpus >= nproc:
+        return "nccl"
+    try:
+        return "nccl" if _nccl.nccl_version() >= MULTI_RANK_MIN_NCCL else "host"
+    except Exception:  # noqa: BLE001 - no version to read: the host backend runs anywhere
+        return "host"
+
+
 def run_demo(nproc: int = 4, backend: str | None = None, iters: int | None = None) -> int:
     """Starts ``nproc`` local ranks on the default backend, prints a checked, timed table."""
     environ = dict(_config.process_environ())
     chosen = _config.launch_backend(backend, environ)
     if chosen == "auto":
-        from gridcomm._backends import nccl as _nccl
-
-        # One GPU per rank: NCCL refuses two ranks on one GPU, so fall back to host otherwise.
-        from gridcomm._cli.launch import visible_gpus
-
-        chosen = "nccl" if _nccl.available() and len(visible_gpus(environ)) >= nproc else "host"
+        chosen = _auto_backend(nproc, environ)
     if iters is not None:
         environ["DEMO_ITERS"] = str(iters)
     port = free_port()

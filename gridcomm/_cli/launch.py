@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import signal
 import socket
@@ -14,7 +13,10 @@ from collections.abc import Mapping, Sequence
 from typing import IO
 
 from gridcomm import _config
+from gridcomm._cli.placement import gpu_sharing, placed_gpus, visible_gpus
 from gridcomm._errors import ConfigError
+
+__all__ = ["free_port", "launch", "rank_environments", "visible_gpus"]
 
 #: After one rank fails, the others get SIGTERM, then SIGKILL once this grace has passed.
 STOP_GRACE_S = 10.0
@@ -27,21 +29,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def visible_gpus(environ: Mapping[str, str]) -> list[str]:
-    """GPU ids for CUDA_VISIBLE_DEVICES, without importing CuPy: the parent's list if set, else
-    the NVIDIA device nodes."""
-    listed = environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        return [d for d in listed.split(",") if d.strip() and d.strip() != "-1"]
-    return sorted((p[len("/dev/nvidia"):] for p in glob.glob("/dev/nvidia[0-9]*")), key=int)
-
-
 def rank_environments(nproc: int, backend: str, port: int, environ: Mapping[str, str],
-                      master_port: int | None = None) -> list[dict[str, str]]:
+                      master_port: int | None = None, gpus: list[str] | None = None) -> list[dict[str, str]]:
     """Each rank's environment: gridcomm's settings, and torchrun's names for the same facts (a
     torchrun-style script reads RANK, WORLD_SIZE ...). MASTER_PORT is a port of its own, free at
-    launch: a torch program makes its TCPStore there, which must not be gridcomm's coordinator."""
-    gpus = visible_gpus(environ)
+    launch: a torch program makes its TCPStore there, which must not be gridcomm's coordinator.
+    Rank r gets GPU ``gpus[r % len(gpus)]`` (default: the visible ones), and NCCL's
+    several-ranks-per-GPU settings where ranks outnumber GPUs (see placement.gpu_sharing)."""
+    if gpus is None:
+        gpus = visible_gpus(environ)
+    sharing, _ = gpu_sharing(nproc, gpus, backend, environ)
     master = master_port
     while master is None or master == port:
         master = free_port()
@@ -55,6 +52,7 @@ def rank_environments(nproc: int, backend: str, port: int, environ: Mapping[str,
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master))
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[rank % len(gpus)]
+        env.update(sharing)
         envs.append(env)
     return envs
 
@@ -68,8 +66,9 @@ def _pump(stream: IO[bytes], prefix: bytes, sink: IO[bytes], lock: threading.Loc
 
 
 def launch(nproc: int, command: Sequence[str], backend: str | None = None,
-           environ: Mapping[str, str] | None = None) -> int:
-    """Runs ``command`` as ``nproc`` ranks; returns 0 when all exit 0, else the first failure's code."""
+           environ: Mapping[str, str] | None = None, gpus: int | None = None) -> int:
+    """Runs ``command`` as ``nproc`` ranks; returns 0 when all exit 0, else the first failure's code.
+    ``gpus``: place the ranks on the first ``gpus`` visible GPUs (default all; 0: none)."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ConfigError(f"--nproc={nproc!r} must be a positive integer.")
     if not command:
@@ -91,9 +90,14 @@ def launch(nproc: int, command: Sequence[str], backend: str | None = None,
     lock = threading.Lock()
     out = sys.stdout.buffer
     err = sys.stderr.buffer
+    placed = placed_gpus(env_in, gpus)
+    _, shared = gpu_sharing(nproc, placed, chosen, env_in)
+    if shared is not None:
+        err.write(f"{shared}\n".encode())
+        err.flush()
     procs: list[subprocess.Popen[bytes]] = []
     pumps: list[threading.Thread] = []
-    for rank, env in enumerate(rank_environments(nproc, chosen, port, env_in)):
+    for rank, env in enumerate(rank_environments(nproc, chosen, port, env_in, gpus=placed)):
         proc = subprocess.Popen([sys.executable, *command], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         procs.append(proc)
         prefix = f"[rank {rank}] ".encode()

@@ -62,6 +62,9 @@ def _build_parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help="start N local ranks (like torchrun); a failing rank stops the rest")
     launch.add_argument("--nproc", type=int, required=True, help="number of local ranks")
     launch.add_argument("--backend", default=None, help="auto, nccl or host (default: GRIDCOMM_BACKEND or auto)")
+    launch.add_argument("--gpus", type=int, default=None,
+                        help="place ranks round-robin on the first N visible GPUs (default: all; 0: leave "
+                             "CUDA_VISIBLE_DEVICES alone); ranks beyond N share GPUs in NCCL's multi-rank mode")
     launch.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
     launch.add_argument("argv", nargs=argparse.REMAINDER, help="SCRIPT [ARGS] (or the module's ARGS)")
 
@@ -179,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             command = list(args.argv)
             if args.module:
                 command = ["-m", args.module, *command]
-            return launch(args.nproc, command, backend=args.backend)
+            return launch(args.nproc, command, backend=args.backend, gpus=args.gpus)
         if args.command == "demo":
             from gridcomm._cli.demo import run_demo
 

@@ -13,6 +13,7 @@ import copy
 import faulthandler
 import logging
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -39,6 +40,10 @@ log = logging.getLogger(__name__)
 
 #: How long a rank that saw a peer fail waits for its leave to be answered.
 LEAVE_AFTER_FAILURE_S = 2.0
+
+#: How long stop() and rebuild() wait for backend aborts still running on their own thread.
+ABORT_WAIT_S = 10.0
+
 
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gather", "send", "recv", "send_recv",
                "scatter", "gather", "all_to_all")
@@ -120,6 +125,8 @@ class Communicator:
         self.generation: int = shown_generation(client.generation)
         #: The communicator a rebuild() or shrink() of this one returned.
         self._successor: Communicator | None = None
+        #: Aborts of backends whose abort may block (NCCL), running on a thread of their own.
+        self._aborting: threading.Thread | None = None
         # Why the backend is made here, with its hooks: it has them from its first call on, and
         # nothing assigns them afterwards.
         backend = make_backend(Hooks(on_invalid=self._invalid_call, on_broken=self._broken_data_plane,
@@ -198,11 +205,38 @@ class Communicator:
             self._job.health.set_ready(self, ready)
 
     def _abort_backends(self, error: GridcommError) -> None:
+        """Aborts every backend. Those whose abort may block (NCCL's waits for the GPU) are
+        aborted on a thread of their own (``gridcomm-abort``): a failure is heard of on the
+        process's background loop, which must go on heartbeating and answering while a GPU is
+        hung. :meth:`_await_aborts` waits for them (bounded) before anything is freed."""
+        later = []
         for backend in self._all_backends():
-            try:
-                backend.abort(error)
-            except Exception as exc:  # noqa: BLE001 - best effort
-                log.warning("rank %d: backend abort failed: %s", self.rank, exc)
+            if getattr(backend, "abort_may_block", False):
+                later.append(backend)
+            else:
+                self._abort_one(backend, error)
+        if later:
+            def abort_later() -> None:
+                for backend in later:
+                    self._abort_one(backend, error)
+
+            thread = threading.Thread(target=abort_later, name="gridcomm-abort", daemon=True)
+            self._aborting = thread
+            thread.start()
+
+    def _abort_one(self, backend: Any, error: GridcommError) -> None:
+        try:
+            backend.abort(error)
+        except Exception as exc:  # noqa: BLE001 - best effort
+            log.warning("rank %d: backend abort failed: %s", self.rank, exc)
+
+    def _await_aborts(self) -> None:
+        thread = self._aborting
+        if thread is not None:
+            thread.join(ABORT_WAIT_S)
+            if thread.is_alive():
+                log.warning("rank %d: a backend's abort has not returned after %g s; going on without it",
+                            self.rank, ABORT_WAIT_S)
 
     def _all_backends(self) -> list[Any]:
         backends = [self._backend]
@@ -376,6 +410,7 @@ class Communicator:
         if not isinstance(closed, RankFailedError) or isinstance(closed, CoordinatorLost):
             # This rank aborted (the job counts it failed), or the coordinator is gone: nothing to join.
             raise copy.copy(closed)  # type: ignore[misc]
+        self._await_aborts()
         for backend in self._all_backends():
             try:
                 backend.destroy()  # already aborted at the failure; frees sockets and shared memory now
@@ -444,6 +479,7 @@ class Communicator:
         self._client.stop_watching()
         # Why every backend, also after a failure or abort (where stop() frees none): the host
         # backend's sockets and shared memory go now, not at interpreter exit. Idempotent.
+        self._await_aborts()
         for backend in self._all_backends():
             try:
                 backend.destroy()

@@ -6,7 +6,7 @@ can use, ``engines`` drives it, ``bootstrap`` makes a communicator, ``backend`` 
 
 from gridcomm._backends.nccl.backend import NcclBackend
 from gridcomm._backends.nccl.bootstrap import connect, exchange_ids, id_key, root_ranks
-from gridcomm._backends.nccl.engines import id_forms, id_to_bytes, new_unique_id
+from gridcomm._backends.nccl.engines import id_forms, id_to_bytes, nccl_version, new_unique_id
 from gridcomm._backends.nccl.loader import (
     DEFAULT_RANKS_PER_ROOT,
     ENGINES,
@@ -32,6 +32,7 @@ __all__ = [
     "id_key",
     "id_to_bytes",
     "load_nccl4py",
+    "nccl_version",
     "nccl4py_why",
     "new_unique_id",
     "ranks_per_root",

@@ -29,9 +29,7 @@ so collectives can be captured in a CUDA graph. Invalid calls fall to the shared
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,33 +37,30 @@ from typing import Any
 from gridcomm import _config
 from gridcomm._backends import validate as _validate
 from gridcomm._backends.base import NO_HOOKS, Hooks
+from gridcomm._backends.nccl import lifecycle, sharing
 from gridcomm._backends.nccl.engines import _TYPE_NAMES, _engine_for
 from gridcomm._backends.nccl.loader import _load_cupy, engine
+from gridcomm._backends.nccl.sampler import GpuSampler
 from gridcomm._config.settings import NcclSettings
 from gridcomm._errors import ArgumentError, GridcommError
 
 log = logging.getLogger(__name__)
 
 
-_thread = threading.local()
-
-
-def _relaxed_capture_mode() -> None:
-    """Puts the calling thread (the watcher's) in CUDA's relaxed stream-capture mode, once: in the
-    default (global) mode, a CUDA call this thread makes while the main thread captures a graph
-    could invalidate that capture; in relaxed mode it cannot (only calls that conflict with a
-    capture, such as querying an event recorded into it, stay refused, and none is made)."""
-    result = getattr(_thread, "relaxed", None)
-    if result is None:
-        mode = ctypes.c_int(2)  # CU_STREAM_CAPTURE_MODE_RELAXED
-        try:
-            result = int(ctypes.CDLL("libcuda.so.1").cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)))
-        except (OSError, AttributeError) as exc:
-            result = -1
-            log.debug("no relaxed capture mode: %s", exc)
-        _thread.relaxed = result
-    if result != 0:  # then no sample is ever taken on this thread
-        raise GridcommError(f"cuThreadExchangeStreamCaptureMode returned {result}")
+def _check_sharing(cupy: Any, eng: Any, unique_id: bytes, rank: int, size: int) -> sharing.Marker | None:
+    """sharing.check for the current device (named by its PCI bus id: CUDA_VISIBLE_DEVICES
+    renumbers devices per process). Skipped, with a debug line, where CUDA cannot name it."""
+    try:
+        gpu = str(cupy.cuda.Device().pci_bus_id)
+    except Exception as exc:  # noqa: BLE001 - CUDA errors: NCCL's own init reports them
+        log.debug("rank %d: GPU sharing not checked: %s", rank, exc)
+        return None
+    try:
+        version = int(eng.version())
+    except Exception as exc:  # noqa: BLE001 - an unknown version is checked as new enough
+        log.debug("rank %d: NCCL version unknown: %s", rank, exc)
+        version = sharing.MULTI_RANK_MIN_NCCL
+    return sharing.check(unique_id, gpu, rank, size, version)
 
 
 class _Count:
@@ -140,8 +135,16 @@ class NcclBackend:
         self._nccl_send, self._nccl_recv = eng.send, eng.recv
         if deadline is None:
             deadline = time.monotonic() + _config.DEFAULT_TIMEOUT_S
-        #: What owns the communicator (abort/destroy), and the handle the per-call functions take.
-        self._owner: Any = eng.create(world_size, rank, ids, deadline, failed, label)
+        #: This rank's mark on its GPU while the communicator lives (see sharing): checked
+        #: before NCCL init, so ranks sharing a GPU without NCCL's mode get a ConfigError.
+        self._marker = _check_sharing(cupy, eng, ids[0], rank, world_size)
+        try:
+            #: What owns the communicator (abort/destroy), and the handle the per-call functions take.
+            self._owner: Any = eng.create(world_size, rank, ids, deadline, failed, label)
+        except BaseException:
+            if self._marker is not None:
+                self._marker.remove()
+            raise
         #: While calls wait for a split (see _defer_to_first_call): the real per-call functions
         #: and group_start, to put back.
         self._pending: tuple[dict[str, Any], Callable[[], None]] | None = None
@@ -149,11 +152,9 @@ class NcclBackend:
             self._c: Any = eng.handle(self._owner)
         else:
             self._defer_to_first_call()
-        #: GPU completion, sampled by the watcher (see gpu_progress): the device, the pending
-        #: sample (event, count, when recorded) and the count known complete.
+        #: GPU completion, sampled on a thread of its own (see gpu_progress and sampler).
         self._device_id = cupy.cuda.Device().id
-        self._sample: tuple[Any, int, float] | None = None
-        self._completed = 0
+        self._sampler = GpuSampler(self._device_id)
 
     # ------------------------------------------------------------------ a split still under way
     _PER_CALL = ("_nccl_all_reduce", "_nccl_reduce", "_nccl_broadcast", "_nccl_reduce_scatter", "_nccl_all_gather",
@@ -467,6 +468,8 @@ class NcclBackend:
         child = object.__new__(NcclBackend)
         child.__dict__.update(self.__dict__)
         child.rank, child.world_size, child._owner, child._c = new_rank, new_size, comm, comm
+        child._marker = None  # the parent's mark is the parent's to remove
+        child._sampler = GpuSampler(self._device_id)  # its own collectives, its own samples
         child.on_invalid = hooks.on_invalid
         return child
 
@@ -479,38 +482,15 @@ class NcclBackend:
         return out.get().reshape(self.world_size, len(values)).tolist()
 
     def gpu_progress(self) -> tuple[int, float]:
-        """On the watcher's thread, once per heartbeat: how many of this communicator's collectives
+        """On the background loop, once per heartbeat: how many of this communicator's collectives
         are known complete on the GPU, and how long the pending sample has waited (0: none).
-
-        One CUDA event at a time is recorded, after the last collective entered, on the stream
-        that collective used (never on a stream being captured into a graph); a later sample
-        looks whether it completed. The main thread pays nothing for it but noting the stream."""
-        cupy = self._cupy
+        Never calls CUDA here (see sampler: a thread of its own records and queries one event at
+        a time after the last collective entered); the main thread pays nothing for it but noting
+        the stream."""
         counter = self.progress
-        now = time.monotonic()
-        sample = self._sample
-        try:
-            _relaxed_capture_mode()
-            with cupy.cuda.Device(self._device_id):
-                if sample is not None and sample[0].done:
-                    self._completed, self._sample, sample = sample[1], None, None
-                entered = counter.entered
-                # Why the stream object, never its pointer: the counter holds the last collective's
-                # stream alive, so an event is never recorded on a stream its owner has destroyed
-                # since (a temporary stream, gone by the next heartbeat: that crashed the process).
-                stream = counter.stream
-                if sample is None and entered > self._completed and self._owner is not None and stream is not None:
-                    if not hasattr(stream, "is_capturing"):  # not a CuPy stream: wrap its pointer
-                        stream = cupy.cuda.ExternalStream(stream.ptr)
-                    if not stream.is_capturing():
-                        event = cupy.cuda.Event(block=False, disable_timing=True)
-                        event.record(stream)
-                        self._sample = sample = (event, entered, now)
-        except Exception as exc:  # noqa: BLE001 - a sample is a courtesy: never an error of the job
-            log.debug("rank %d: no GPU progress sample: %s", self.rank, exc)
-            self._sample = None
-            return max(self._completed, counter.entered), 0.0
-        return self._completed, (now - sample[2]) if sample is not None else 0.0
+        if self._owner is None:
+            return self._sampler.completed, 0.0
+        return self._sampler.poll(counter.entered, counter.stream)
 
     def synchronize(self) -> None:
         self._current_stream().synchronize()
@@ -521,13 +501,29 @@ class NcclBackend:
         NCCL's own argument check instead of touching freed memory."""
         owner, self._owner = self._owner, None
         self._c = self._engine.null
+        self._unmark()
         if owner is not None:
             owner.abort()  # CuPy's NcclCommunicator and nccl.core's Communicator alike
 
+    def _unmark(self) -> None:
+        """What goes with the communicator: the sampler's thread, this rank's GPU marker."""
+        sampler = getattr(self, "_sampler", None)
+        if sampler is not None:
+            sampler.stop()
+        marker, self._marker = getattr(self, "_marker", None), None
+        if marker is not None:
+            marker.remove()
+
+    #: Its abort may block (ncclCommAbort waits for the GPU): the communicator runs it off the
+    #: thread that heard of a failure (the background loop, which must go on heartbeating).
+    abort_may_block = True
+
     def destroy(self) -> None:
-        """ncclCommDestroy (every rank of the communicator calls it, as ``stop()`` does)."""
+        """ncclCommDestroy (every rank of the communicator calls it, as ``stop()`` does), bounded:
+        past ``lifecycle.DESTROY_WAIT_S`` the communicator is aborted instead (see lifecycle)."""
         owner, self._owner = self._owner, None
         self._c = self._engine.null
+        self._unmark()
         if owner is not None:
-            owner.destroy()
+            lifecycle.bounded_destroy(owner, f"rank {self.rank} of {self.world_size} ({self.engine})")
 

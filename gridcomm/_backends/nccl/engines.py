@@ -34,6 +34,12 @@ def new_unique_id(engine_name: str | None = None) -> bytes:
     return id_to_bytes(nccl.get_unique_id())
 
 
+def nccl_version(engine_name: str | None = None) -> int:
+    """The NCCL_VERSION_CODE (23206: 2.32.6) of the libnccl the engine loads (default: the one a
+    communicator built now uses); raises ConfigError where none loads."""
+    return int(_engine_for(engine_name or engine()).version())
+
+
 def id_to_bytes(uid: Any) -> bytes:
     """One place for both forms CuPy has used: a tuple of signed chars, or bytes."""
     if isinstance(uid, (bytes, bytearray)):
@@ -140,6 +146,10 @@ class _CupyEngine:
     def handle(owner: Any) -> Any:
         return owner
 
+    def version(self) -> int:
+        """The loaded libnccl's NCCL_VERSION_CODE (23206: 2.32.6)."""
+        return int(self._nccl.get_version())
+
 
 class _Nccl4pyEngine:
     """nccl4py: non-blocking, abortable init polled against the deadline; several unique IDs
@@ -244,6 +254,10 @@ class _Nccl4pyEngine:
     def handle(owner: Any) -> Any:
         return owner._comm  # nccl.bindings.nccl.Comm: what the low-level calls take
 
+    def version(self) -> int:
+        """The loaded libnccl's NCCL_VERSION_CODE (23206: 2.32.6)."""
+        return int(self.bindings.get_version())
+
 
 class _Split:
     """What a nccl4py init returns: a non-blocking parent, up, whose split to the blocking child
@@ -260,9 +274,6 @@ class _Split:
     (the watcher's thread, on a peer's failure) frees them, and a poll must never read freed
     memory."""
 
-    #: How long the child's destroy waits for the parent's release (normally well under a second).
-    PARENT_WAIT_S = 10.0
-
     def __init__(self, engine: _Nccl4pyEngine, parent: Any, child: Any, deadline: float,
                  failed: Callable[[], BaseException | None], what: str, others: list[int], total: float) -> None:
         self._engine, self._parent, self._child = engine, parent, child
@@ -271,6 +282,7 @@ class _Split:
         self._settled = threading.Event()  # the split completed, or failed (then _error says why)
         self._error: BaseException | None = None
         self._aborted = False
+        self._child_state = ""  # "destroying", then maybe "aborted" (a hung destroy); or "aborted"
         self._comm: Any = None  # the child's handle once it is up
 
         def ended() -> BaseException | None:
@@ -336,19 +348,29 @@ class _Split:
                                             "completed"))
                 self._settled.set()
                 return
-        # Why no wait for the parent's release: abort runs on the watcher's thread (the
-        # process's background loop), which must go on heartbeating.
+            # Why under the lock: a destroy that has not begun the child's never begins it now. A
+            # destroy already under way is the one that hangs (lifecycle aborts it past its bound).
+            if self._child_state == "aborted":
+                return
+            self._child_state = "aborted"
+        # Why no wait for the parent's release: abort may come while the parent's destroy hangs.
         self._child.abort()
 
     def destroy(self) -> None:
+        """The parent's destroy (the split thread's), then the child's, in this order on every rank:
+        NCCL's destroy is a collective over a node's ranks, and ranks that destroyed the two in
+        different orders waited for each other for good. The caller bounds the whole (see
+        lifecycle.bounded_destroy) and aborts past it."""
         try:
             self.ready()
         except BaseException as exc:  # noqa: BLE001 - nothing left to destroy: both were aborted
             log.debug("%s: destroy after a split that did not complete: %s", self._what, exc)
             return
-        self._thread.join(self.PARENT_WAIT_S)
-        if self._thread.is_alive():
-            log.warning("the NCCL parent communicator is still being destroyed after %g s", self.PARENT_WAIT_S)
+        self._thread.join()
+        with self._lock:
+            if self._child_state == "aborted":  # aborted meanwhile: the child is freed
+                return
+            self._child_state = "destroying"
         self._child.destroy()
 
     def __getattr__(self, name: str) -> Any:
