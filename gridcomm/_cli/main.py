@@ -59,9 +59,12 @@ def _build_parser() -> argparse.ArgumentParser:
     status.add_argument("--interval-s", type=float, default=2.0, help="--watch: seconds between frames (default 2)")
     status.add_argument("--count", type=int, default=None, help="--watch: stop after this many frames")
 
-    launch = sub.add_parser("launch", help="start N local ranks (like torchrun); a failing rank stops the rest")
+    launch = sub.add_parser("launch", help="start N local ranks (like torchrun); a failing rank stops the rest, or is restarted (--max-restarts)")
     launch.add_argument("--nproc", type=int, required=True, help="number of local ranks")
     launch.add_argument("--backend", default=None, help="auto, nccl or host (default: GRIDCOMM_BACKEND or auto)")
+    launch.add_argument("--max-restarts", type=int, default=0,
+                        help="start a rank whose process fails again as its replacement, at most N times in all "
+                             "(the launcher then hosts the coordinator; survivors rebuild()); default 0")
     launch.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
     launch.add_argument("argv", nargs=argparse.REMAINDER, help="SCRIPT [ARGS] (or the module's ARGS)")
 
@@ -179,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             command = list(args.argv)
             if args.module:
                 command = ["-m", args.module, *command]
-            return launch(args.nproc, command, backend=args.backend)
+            return launch(args.nproc, command, backend=args.backend, max_restarts=args.max_restarts)
         if args.command == "demo":
             from gridcomm._cli.demo import run_demo
 
