@@ -6,6 +6,7 @@ import argparse
 import logging
 import platform
 import signal
+import socket
 import sys
 import threading
 import time
@@ -121,10 +122,14 @@ def probe(target: str, service: str = "", timeout_s: float = 5.0) -> tuple[int, 
         return PROBE_BAD_ARGS, str(exc)
     address = _config.format_target(host, port)
     started = time.monotonic()
+    refused = _refused(host, port, timeout_s)
+    if refused:
+        return PROBE_UNREACHABLE, (f"{address}: connection refused ({refused}); nothing listens on port {port}: is "
+                                   f"the process running and serving health there?")
     with grpc.insecure_channel(address, options=channel_options()) as channel:
-        # Why connect first, within the whole deadline: kubelet and grpc_health_probe keep dialling
-        # until their timeout; a check that fails fast scored 0 of 5 through a link whose HTTP/2
-        # settings arrived after 200 ms, where they scored 5 of 5.
+        # Why connect first, within the whole deadline: a port that accepts but is slow to answer
+        # (a check that fails fast scored 0 of 5 through a link whose HTTP/2 settings arrived after
+        # 200 ms, where kubelet and grpc_health_probe scored 5 of 5) gets the whole timeout.
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
@@ -148,6 +153,20 @@ def probe(target: str, service: str = "", timeout_s: float = 5.0) -> tuple[int, 
     if response.status == health_pb2.HealthCheckResponse.SERVING:
         return PROBE_SERVING, f"{address}: service {service!r} is SERVING"
     return PROBE_NOT_SERVING, f"{address}: service {service!r} is {name}"
+
+
+def _refused(host: str, port: int, timeout_s: float) -> str | None:
+    """Why a TCP connection to ``host:port`` was refused, or None. A refusal is an answer: the host
+    is up and nothing listens, so the probe fails at once, as kubelet's does (its next period is
+    the retry). Anything else (a name that does not resolve yet, no answer, no route) may still
+    come right, so the probe dials on, until its deadline."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except ConnectionRefusedError as exc:
+        return exc.strerror or "refused"
+    except OSError:
+        return None
 
 
 def _status(args: argparse.Namespace) -> int:
