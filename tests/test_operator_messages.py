@@ -284,6 +284,34 @@ def test_a_coordinator_port_in_use_is_said_without_grpcs_own_line():
     assert "add_port" not in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.timeout(90)
+def test_a_second_rank_0_is_named_as_a_duplicate_rank_not_told_to_change_the_port():
+    port = free_port()
+    code = ("import gridcomm\n"
+            "try:\n"
+            f"    gridcomm.init_process_group(2, 0, backend='host', port={port}, timeout_s=20)\n"
+            "except gridcomm.GridcommError as exc:\n"
+            "    print('ERROR', type(exc).__name__, exc, flush=True)\n")
+    first = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**ENV, "GRIDCOMM_BIND": "127.0.0.1"})
+    try:
+        # The first rank 0's coordinator is up once its port answers.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and first.poll() is None, first.stderr.read()
+                time.sleep(0.05)
+        second = run_py(code, {"GRIDCOMM_BIND": "127.0.0.1"}, 60)
+    finally:
+        first.kill()
+        first.wait(10)
+    assert "ERROR ConfigError rank 0 is already running" in second.stdout, second.stdout + second.stderr
+    assert "started exactly once" in second.stdout and "GRIDCOMM_PORT" not in second.stdout, second.stdout
+
+
 def test_the_nccl_backend_without_a_gpu_suggests_host_or_auto():
     done = run_py("import gridcomm\ntry:\n    gridcomm.init_process_group(1, 0, backend='nccl')\n"
                   "except gridcomm.ConfigError as exc:\n    print(exc)\n", {}, 60)

@@ -14,11 +14,11 @@ from gridcomm._client.client import CoordinatorClient
 from gridcomm._communicator.communicator import Communicator, build_backend
 from gridcomm._config.settings import CoordinatorSettings, Settings
 from gridcomm._coordinator.server import Coordinator
-from gridcomm._errors import CoordinatorUnavailable, GridcommError, coordinator_lost
+from gridcomm._errors import ConfigError, CoordinatorUnavailable, GridcommError, coordinator_lost
 from gridcomm._runtime import health as _health
 from gridcomm._runtime.address import local_address
 from gridcomm._runtime.health import ProcessHealth
-from gridcomm._wire import shown_generation
+from gridcomm._wire import SERVICE_NAME, shown_generation
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,13 @@ class Job:
                 self.world_size, bind=settings.bind, port=dial.port, token=dial.token, job_id=dial.job_id,
                 heartbeat_timeout_s=settings.heartbeat_timeout_s, tls=dial.tls, metrics_port=settings.metrics_port,
                 call_timeout_s=dial.timeout_s)
-            self.coordinator = Coordinator(settings=server).start()
+            try:
+                self.coordinator = Coordinator(settings=server).start()
+            except CoordinatorUnavailable:
+                duplicate = _duplicate_rank_0(settings.bind, dial.port, self.world_size)
+                if duplicate is None:
+                    raise
+                raise duplicate from None
             # Why: rank 0 dials its own server directly, not through a DNS name that may lag (with
             # TLS it keeps the configured name, which the certificate is issued for, unless
             # GRIDCOMM_TLS_SERVER_NAME says what to verify).
@@ -205,3 +211,25 @@ class Job:
             # Why a grace: the other joiners should get their answer (who is missing) before the
             # server goes; stop() returns as soon as none of them has a call in flight.
             self.coordinator.stop(grace_s=min(5.0, self.timeout_s))
+
+
+def _duplicate_rank_0(bind: str, port: int, world_size: int) -> ConfigError | None:
+    """The error for a rank 0 whose coordinator port is taken by another rank 0's coordinator (a
+    gridcomm coordinator answers its health service there), or None (something else holds it,
+    and the caller's 'port in use' stands). Why ask: "choose another port" would start a second
+    job beside the first, where the fault is the rank started twice."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    host = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
+    target = _config.format_target(host, port)
+    try:
+        with grpc.insecure_channel(target) as channel:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                                      timeout=2.0)
+    except grpc.RpcError:
+        return None  # not a coordinator's health service (or none answered)
+    return ConfigError(
+        f"rank 0 is already running: a gridcomm coordinator answers on {target}, the port this rank 0 would host "
+        f"it on, so another process was started as rank 0 of this {world_size}-rank job. Each rank must be "
+        "started exactly once: check this process's rank (GRIDCOMM_RANK, RANK or JOB_COMPLETION_INDEX).")
