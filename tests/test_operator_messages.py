@@ -380,6 +380,53 @@ def test_status_watch_redraws_a_bounded_view(serve):
     client.close()
 
 
+PROGRESS_CODE = r"""
+import os, time
+import numpy as np
+import gridcomm
+
+comm = gridcomm.init_process_group(backend="host", timeout_s=60)
+x = np.ones(4)
+for _ in range(3):
+    comm.all_reduce(x, x)
+open(os.environ["GATE"] + f".{comm.rank}", "w").close()
+until = time.monotonic() + 60
+while not os.path.exists(os.environ["GATE"]) and time.monotonic() < until:
+    time.sleep(0.05)
+comm.barrier("end")
+comm.stop()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_status_watch_keeps_the_per_rank_progress_that_status_shows(coordinator_factory, tmp_path):
+    from gridcomm._client.client import fetch_status
+    from tests.support.procs import wait_for
+
+    server = coordinator_factory(2)
+    gate = str(tmp_path / "gate")
+    env = {"GRIDCOMM_COORDINATOR": "external", "GRIDCOMM_HOST": "127.0.0.1", "GRIDCOMM_PORT": str(server.port),
+           "GATE": gate}
+    ranks = RankProcesses(PROGRESS_CODE, 2, env=env)
+    try:
+        def at_3() -> bool:
+            world = [p for p in fetch_status("127.0.0.1", server.port).progress if p.communicator == "world"]
+            return len(world) == 2 and all(p.entered == 3 for p in world)
+
+        wait_for(at_3, "both ranks' heartbeats carry all_reduce #3", 60)
+        once = cli("status", f"127.0.0.1:{server.port}")
+        live = cli("status", f"127.0.0.1:{server.port}", "--watch", "--count", "1")
+        open(gate, "w").close()
+        results = ranks.wait(60)
+    finally:
+        ranks.close()
+    assert all(r.returncode == 0 for r in results.values()), report(results)
+    for rank in (0, 1):
+        assert re.search(rf"rank +{rank} +joined .* last world: all_reduce #3", once.stdout), once.stdout
+    assert "last collective (world):" in live.stdout, live.stdout
+    assert re.search(r"\n  all_reduce #3: ranks 0-1, up to [0-9.]+ s ago\n", live.stdout), live.stdout
+
+
 @pytest.mark.timeout(60)
 def test_status_watch_ends_cleanly_on_ctrl_c(serve):
     proc = subprocess.Popen([sys.executable, "-m", "gridcomm", "status", f"127.0.0.1:{serve}", "--watch",
