@@ -11,7 +11,6 @@ from gridcomm._client.client import fetch_status_call
 from gridcomm._coordinator.metrics import RefusedJoin, parse_refusals
 from gridcomm._errors import GridcommError
 from gridcomm._proto import coordinator_pb2 as pb
-from gridcomm._wire import shown_generation
 
 _STATES = {1: "joined", 2: "left", 3: "failed"}
 #: Lines a --watch frame may take at most, whatever the terminal says.
@@ -43,7 +42,7 @@ def _when(unix_s: float) -> str:
 
 
 def _header(reply: pb.StatusResponse) -> str:
-    generation = str(shown_generation(reply.generation)) if reply.generation else "none yet"
+    generation = str(reply.generation) if reply.HasField("generation") else "none yet"
     return (f"job {reply.job_id!r}: {len(reply.members)} of {reply.world_size} ranks joined, generation "
             f"{generation}, {'SERVING' if reply.serving else 'NOT_SERVING'}, up {reply.uptime_s:.1f} s")
 

@@ -774,7 +774,7 @@ class Servicer:
         return pb.StatusResponse(
             job_id=state.job_id,
             world_size=state.world_size,
-            generation=state.generation,
+            generation=shown_generation(state.generation) if state.generation else None,
             members=[member_pb(m) for m in sorted(state.members.values(), key=lambda m: m.rank)],
             missing_ranks=state.missing_join(),
             barriers=barriers,
