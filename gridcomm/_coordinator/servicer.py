@@ -117,6 +117,10 @@ class Servicer:
     def _now(self) -> float:
         return time.monotonic()
 
+    def has_token(self, context: grpc.aio.ServicerContext) -> bool:
+        """Whether the call carries the job's token (nothing is noted either way)."""
+        return token_problem(context, self._token) is None
+
     def authenticate(self, context: grpc.aio.ServicerContext, method: str) -> None:
         """Raises Abort(UNAUTHENTICATED) unless the call carries the job's token (on its headers,
         so before any request message is read)."""
