@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
+import sys
 import time
 from typing import Any
 
@@ -140,6 +142,10 @@ class Job:
             self.client = CoordinatorClient(settings=dial, coordinator_rank=0 if settings.embedded else None)
             self.client.join()
             comm = self._communicator()
+            if self.coordinator is not None:
+                # Registered after the coordinator's own exit handler, so it runs first (atexit
+                # is last in, first out): the server then waits only for the other ranks.
+                atexit.register(_end_at_exit, comm)
         except BaseException as exc:
             self._give_up(exc)
             raise
@@ -233,3 +239,18 @@ def _duplicate_rank_0(bind: str, port: int, world_size: int) -> ConfigError | No
         f"rank 0 is already running: a gridcomm coordinator answers on {target}, the port this rank 0 would host "
         f"it on, so another process was started as rank 0 of this {world_size}-rank job. Each rank must be "
         "started exactly once: check this process's rank (GRIDCOMM_RANK, RANK or JOB_COMPLETION_INDEX).")
+
+
+def _end_at_exit(comm: Communicator) -> None:
+    """The coordinator's rank at interpreter exit without ``stop()``: it leaves (or, when the
+    script ended on an uncaught exception, fails naming it), as any rank's ``stop()`` would.
+    Why: otherwise the coordinator waited for its own rank's client, up to its exit grace, and
+    then blamed it for a lost connection. Nothing happens after a ``stop()`` (it is idempotent)."""
+    error = getattr(sys, "last_value", None)
+    try:
+        if isinstance(error, BaseException) and not isinstance(error, (SystemExit, KeyboardInterrupt)):
+            comm.abort(f"the script ended on an uncaught {type(error).__name__}: {error}"[:500])
+        else:
+            comm.stop()
+    except Exception as exc:  # noqa: BLE001 - at exit, say it and let the coordinator's own handler go on
+        log.warning("rank %d: leaving at exit failed: %s", comm.rank, exc)
