@@ -1,16 +1,21 @@
 """One generation numbering wherever a person reads it: ``comm.generation``, the library's log
-line, ``gridcomm status`` and the ``gridcomm_generation`` gauge agree (0 at the first init, 1
+line, ``gridcomm status``, the raw ``Status`` RPC and the ``gridcomm_generation`` gauge agree (0 at the first init, 1
 after one ``rebuild()``), with real rank processes against a real coordinator."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 
+import grpc
 import pytest
+from google.protobuf import json_format
 
+from gridcomm._proto import coordinator_pb2 as pb
+from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from tests.support.procs import ROOT, RankProcesses, report, wait_for
 from tests.test_metrics import scrape, value
 
@@ -60,11 +65,19 @@ def _status(port: int) -> str:
     return done.stdout
 
 
-def _shown(port: int, metrics_port: int) -> tuple[int, int]:
-    """(the generation `gridcomm status` prints, the gridcomm_generation gauge)."""
+def _raw(port: int) -> dict:
+    """The Status RPC's answer as JSON, as grpcurl prints it for a person."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = pb_grpc.CoordinatorStub(channel).Status(pb.StatusRequest(), timeout=10)
+    return json.loads(json_format.MessageToJson(reply))
+
+
+def _shown(port: int, metrics_port: int) -> tuple[int, int, int]:
+    """(the generation `gridcomm status` prints, the gridcomm_generation gauge, the raw Status RPC's)."""
     found = re.search(r"generation (-?\d+),", _status(port))
     assert found is not None
-    return int(found.group(1)), int(value(scrape(metrics_port), "gridcomm_generation"))
+    return (int(found.group(1)), int(value(scrape(metrics_port), "gridcomm_generation")),
+            int(_raw(port)["generation"]))
 
 
 @pytest.mark.timeout(180)
@@ -74,6 +87,7 @@ def test_api_log_status_and_metric_agree_at_the_first_init_and_after_a_rebuild(c
     before = re.search(r"generation ([^,]+),", _status(server.port))
     assert before is not None and before.group(1) == "none yet"
     assert value(scrape(server.metrics_port), "gridcomm_generation") == -1
+    assert "generation" not in _raw(server.port)  # none has formed: absent, not a number to misread
     env = {"GRIDCOMM_COORDINATOR": "external", "GRIDCOMM_HOST": "127.0.0.1", "GRIDCOMM_PORT": str(server.port),
            "GRIDCOMM_HEARTBEAT_TIMEOUT_S": f"{HB:g}", "MARKS": str(tmp_path)}
     first = RankProcesses(RANK_CODE, 2, env=env)
@@ -81,12 +95,12 @@ def test_api_log_status_and_metric_agree_at_the_first_init_and_after_a_rebuild(c
     try:
         at = lambda generation, rank: (tmp_path / f"at-{generation}-{rank}").exists()  # noqa: E731
         wait_for(lambda: at(0, 0) and at(0, 1), "both ranks in generation 0", 60)
-        assert _shown(server.port, server.metrics_port) == (0, 0)
+        assert _shown(server.port, server.metrics_port) == (0, 0, 0)
         (tmp_path / "go-0").touch()
         wait_for(lambda: first.procs[1].poll() is not None, "rank 1 exits", 30)
         replacement = RankProcesses(RANK_CODE, 2, env=env, ranks=[1])
         wait_for(lambda: at(1, 0) and at(1, 1), "both ranks in generation 1", 90)
-        assert _shown(server.port, server.metrics_port) == (1, 1)
+        assert _shown(server.port, server.metrics_port) == (1, 1, 1)
         (tmp_path / "go-1").touch()
         results = first.wait(60)
         later = replacement.wait(30)

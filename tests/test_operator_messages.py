@@ -284,6 +284,34 @@ def test_a_coordinator_port_in_use_is_said_without_grpcs_own_line():
     assert "add_port" not in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.timeout(90)
+def test_a_second_rank_0_is_named_as_a_duplicate_rank_not_told_to_change_the_port():
+    port = free_port()
+    code = ("import gridcomm\n"
+            "try:\n"
+            f"    gridcomm.init_process_group(2, 0, backend='host', port={port}, timeout_s=20)\n"
+            "except gridcomm.GridcommError as exc:\n"
+            "    print('ERROR', type(exc).__name__, exc, flush=True)\n")
+    first = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**ENV, "GRIDCOMM_BIND": "127.0.0.1"})
+    try:
+        # The first rank 0's coordinator is up once its port answers.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and first.poll() is None, first.stderr.read()
+                time.sleep(0.05)
+        second = run_py(code, {"GRIDCOMM_BIND": "127.0.0.1"}, 60)
+    finally:
+        first.kill()
+        first.wait(10)
+    assert "ERROR ConfigError rank 0 is already running" in second.stdout, second.stdout + second.stderr
+    assert "started exactly once" in second.stdout and "GRIDCOMM_PORT" not in second.stdout, second.stdout
+
+
 def test_the_nccl_backend_without_a_gpu_suggests_host_or_auto():
     done = run_py("import gridcomm\ntry:\n    gridcomm.init_process_group(1, 0, backend='nccl')\n"
                   "except gridcomm.ConfigError as exc:\n    print(exc)\n", {}, 60)
@@ -350,6 +378,53 @@ def test_status_watch_redraws_a_bounded_view(serve):
         assert "  joined   (1): 2" in lines, frame
         assert "failures: 0" in lines and len(lines) <= 60
     client.close()
+
+
+PROGRESS_CODE = r"""
+import os, time
+import numpy as np
+import gridcomm
+
+comm = gridcomm.init_process_group(backend="host", timeout_s=60)
+x = np.ones(4)
+for _ in range(3):
+    comm.all_reduce(x, x)
+open(os.environ["GATE"] + f".{comm.rank}", "w").close()
+until = time.monotonic() + 60
+while not os.path.exists(os.environ["GATE"]) and time.monotonic() < until:
+    time.sleep(0.05)
+comm.barrier("end")
+comm.stop()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_status_watch_keeps_the_per_rank_progress_that_status_shows(coordinator_factory, tmp_path):
+    from gridcomm._client.client import fetch_status
+    from tests.support.procs import wait_for
+
+    server = coordinator_factory(2)
+    gate = str(tmp_path / "gate")
+    env = {"GRIDCOMM_COORDINATOR": "external", "GRIDCOMM_HOST": "127.0.0.1", "GRIDCOMM_PORT": str(server.port),
+           "GATE": gate}
+    ranks = RankProcesses(PROGRESS_CODE, 2, env=env)
+    try:
+        def at_3() -> bool:
+            world = [p for p in fetch_status("127.0.0.1", server.port).progress if p.communicator == "world"]
+            return len(world) == 2 and all(p.entered == 3 for p in world)
+
+        wait_for(at_3, "both ranks' heartbeats carry all_reduce #3", 60)
+        once = cli("status", f"127.0.0.1:{server.port}")
+        live = cli("status", f"127.0.0.1:{server.port}", "--watch", "--count", "1")
+        open(gate, "w").close()
+        results = ranks.wait(60)
+    finally:
+        ranks.close()
+    assert all(r.returncode == 0 for r in results.values()), report(results)
+    for rank in (0, 1):
+        assert re.search(rf"rank +{rank} +joined .* last world: all_reduce #3", once.stdout), once.stdout
+    assert "last collective (world):" in live.stdout, live.stdout
+    assert re.search(r"\n  all_reduce #3: ranks 0-1, up to [0-9.]+ s ago\n", live.stdout), live.stdout
 
 
 @pytest.mark.timeout(60)

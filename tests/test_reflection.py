@@ -111,6 +111,36 @@ def test_reflection_without_the_token_is_refused(coordinator_factory, token):
 
 
 @pytest.mark.timeout(60)
+def test_health_is_checkable_through_reflection_without_the_token(coordinator_factory):
+    """As grpcurl does for `grpc.health.v1.Health/Check` without -H: it asks reflection for the
+    service's schema, builds the request from it and calls Check. Health needs no token, so its
+    schema needs none; anything else reflection says still does."""
+    from google.protobuf import message_factory
+
+    server = coordinator_factory(2, token=TOKEN)
+    with _channel(server.port, None) as channel:
+        pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+        service = pool.FindServiceByName(HEALTH)
+        check = service.FindMethodByName("Check")
+        request_class = message_factory.GetMessageClass(check.input_type)
+        response_class = message_factory.GetMessageClass(check.output_type)
+        call = channel.unary_unary(f"/{HEALTH}/Check", request_serializer=lambda m: m.SerializeToString(),
+                                   response_deserializer=response_class.FromString)
+        reply = call(request_class(service=""), timeout=CALL_S)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        # The rest of reflection, in a new call or after a health request on the same one: refused.
+        for requests in ([reflection_pb2.ServerReflectionRequest(file_containing_symbol=COORDINATOR)],
+                         [reflection_pb2.ServerReflectionRequest(file_containing_symbol=HEALTH),
+                          reflection_pb2.ServerReflectionRequest(list_services="")],
+                         [reflection_pb2.ServerReflectionRequest(file_by_filename="gridcomm/_proto/coordinator.proto")]):
+            with pytest.raises(grpc.RpcError) as refused:
+                _ask(channel, *requests)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, requests
+            assert "ServerReflectionInfo refused: the token is missing" in refused.value.details()
+    client_ok(server.port)
+
+
+@pytest.mark.timeout(60)
 def test_reflection_describes_only_what_the_port_serves(coordinator_factory):
     """A file in the process's default pool that the port does not serve (in rank 0 that is the
     user's own protos) is not found; a file the port serves is."""

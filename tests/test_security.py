@@ -258,7 +258,8 @@ def test_a_token_holder_cannot_learn_an_incarnation_or_act_as_another_rank(coord
             assert f"{secret:x}" not in (refused.value.details() or "")
             # What Status shows, used as rank 1's identity: refused.
             for shown in (0, int(status.members[1].process_tag, 16)):
-                forged = pb.Caller(job_id=status.job_id, rank=1, incarnation=shown, generation=status.generation)
+                forged = pb.Caller(job_id=status.job_id, rank=1, incarnation=shown,
+                                    generation=status.generation + 1)  # the wire's numbering
                 for rpc, request in (("Heartbeat", pb.HeartbeatRequest(caller=forged, wait_s=0)),
                                      ("ReportFailure", pb.ReportFailureRequest(caller=forged, reason="forged"))):
                     with pytest.raises(grpc.RpcError) as info:

@@ -6,6 +6,7 @@ import argparse
 import logging
 import platform
 import signal
+import socket
 import sys
 import threading
 import time
@@ -59,12 +60,15 @@ def _build_parser() -> argparse.ArgumentParser:
     status.add_argument("--interval-s", type=float, default=2.0, help="--watch: seconds between frames (default 2)")
     status.add_argument("--count", type=int, default=None, help="--watch: stop after this many frames")
 
-    launch = sub.add_parser("launch", help="start N local ranks (like torchrun); a failing rank stops the rest")
+    launch = sub.add_parser("launch", help="start N local ranks (like torchrun); a failing rank stops the rest, or is restarted (--max-restarts)")
     launch.add_argument("--nproc", type=int, required=True, help="number of local ranks")
     launch.add_argument("--backend", default=None, help="auto, nccl or host (default: GRIDCOMM_BACKEND or auto)")
     launch.add_argument("--gpus", type=int, default=None,
                         help="place ranks round-robin on the first N visible GPUs (default: all; 0: leave "
                              "CUDA_VISIBLE_DEVICES alone); ranks beyond N share GPUs in NCCL's multi-rank mode")
+    launch.add_argument("--max-restarts", type=int, default=0,
+                        help="start a rank whose process fails again as its replacement, at most N times in all "
+                             "(the launcher then hosts the coordinator; survivors rebuild()); default 0")
     launch.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
     launch.add_argument("argv", nargs=argparse.REMAINDER, help="SCRIPT [ARGS] (or the module's ARGS)")
 
@@ -121,10 +125,13 @@ def probe(target: str, service: str = "", timeout_s: float = 5.0) -> tuple[int, 
         return PROBE_BAD_ARGS, str(exc)
     address = _config.format_target(host, port)
     started = time.monotonic()
+    refused = _refused(host, port, timeout_s)
+    if refused:
+        return PROBE_UNREACHABLE, (f"{address}: connection refused ({refused}); nothing listens on port {port}: is "
+                                   f"the process running and serving health there?")
     with grpc.insecure_channel(address, options=channel_options()) as channel:
-        # Why connect first, within the whole deadline: kubelet and grpc_health_probe keep dialling
-        # until their timeout; a check that fails fast would fail through a slow link (HTTP/2
-        # settings arriving late) that they pass.
+        # Why connect first, within the whole deadline: a port that accepts but is slow to answer
+        # (HTTP/2 settings arriving late) gets the whole timeout, as kubelet and grpc_health_probe give it.
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
@@ -148,6 +155,20 @@ def probe(target: str, service: str = "", timeout_s: float = 5.0) -> tuple[int, 
     if response.status == health_pb2.HealthCheckResponse.SERVING:
         return PROBE_SERVING, f"{address}: service {service!r} is SERVING"
     return PROBE_NOT_SERVING, f"{address}: service {service!r} is {name}"
+
+
+def _refused(host: str, port: int, timeout_s: float) -> str | None:
+    """Why a TCP connection to ``host:port`` was refused, or None. A refusal is an answer: the host
+    is up and nothing listens, so the probe fails at once, as kubelet's does (its next period is
+    the retry). Anything else (a name that does not resolve yet, no answer, no route) may still
+    come right, so the probe dials on, until its deadline."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except ConnectionRefusedError as exc:
+        return exc.strerror or "refused"
+    except OSError:
+        return None
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -182,7 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             command = list(args.argv)
             if args.module:
                 command = ["-m", args.module, *command]
-            return launch(args.nproc, command, backend=args.backend, gpus=args.gpus)
+            return launch(args.nproc, command, backend=args.backend, max_restarts=args.max_restarts,
+                          gpus=args.gpus)
         if args.command == "demo":
             from gridcomm._cli.demo import run_demo
 

@@ -11,7 +11,6 @@ from gridcomm._client.client import fetch_status_call
 from gridcomm._coordinator.metrics import RefusedJoin, parse_refusals
 from gridcomm._errors import GridcommError
 from gridcomm._proto import coordinator_pb2 as pb
-from gridcomm._wire import shown_generation
 
 _STATES = {1: "joined", 2: "left", 3: "failed"}
 #: Lines a --watch frame may take at most, whatever the terminal says.
@@ -43,7 +42,7 @@ def _when(unix_s: float) -> str:
 
 
 def _header(reply: pb.StatusResponse) -> str:
-    generation = str(shown_generation(reply.generation)) if reply.generation else "none yet"
+    generation = str(reply.generation) if reply.HasField("generation") else "none yet"
     return (f"job {reply.job_id!r}: {len(reply.members)} of {reply.world_size} ranks joined, generation "
             f"{generation}, {'SERVING' if reply.serving else 'NOT_SERVING'}, up {reply.uptime_s:.1f} s")
 
@@ -81,8 +80,28 @@ def render(reply: pb.StatusResponse, refusals: Sequence[RefusedJoin] = ()) -> li
     return lines
 
 
+def _progress_lines(reply: pb.StatusResponse, limit: int = 8) -> list[str]:
+    """Each rank's last collective in 'world' (what ``status`` shows per rank), ranks that are at
+    the same one as ranges, the furthest behind first: bounded however many ranks there are."""
+    groups: dict[tuple[int, str, bool], list[pb.Progress]] = {}
+    for p in reply.progress:
+        if p.communicator == "world":
+            groups.setdefault((p.entered, p.kind, p.inside), []).append(p)
+    if not groups:
+        return []
+    lines = ["last collective (world):"]
+    for (entered, kind, inside), members in sorted(groups.items())[:limit]:
+        what = f"{kind or 'collective'} #{entered}" if entered else "no collective yet"
+        age = max(p.age_s for p in members)
+        lines.append(f"  {what}{' (in it)' if inside else ''}: ranks {ranges(p.rank for p in members)}"
+                     + (f", up to {age:.1f} s ago" if entered else ""))
+    if len(groups) > limit:
+        lines.append(f"  ... {len(groups) - limit} more")
+    return lines
+
+
 def render_live(reply: pb.StatusResponse, refusals: Sequence[RefusedJoin], max_lines: int) -> list[str]:
-    """The --watch frame: ranks as ranges by state, pending barriers longest-waiting first with
+    """The --watch frame: ranks as ranges by state, their last collectives, pending barriers longest-waiting first with
     who is late, failures and refused joins; cut to ``max_lines``."""
     by_state: dict[str, list[int]] = {"joined": [], "left": [], "failed": []}
     for m in reply.members:
@@ -90,6 +109,7 @@ def render_live(reply: pb.StatusResponse, refusals: Sequence[RefusedJoin], max_l
     lines = [_header(reply),
              f"  missing  ({len(reply.missing_ranks)}): {ranges(reply.missing_ranks)}",
              *(f"  {state:<8} ({len(ranks)}): {ranges(ranks)}" for state, ranks in by_state.items())]
+    lines.extend(_progress_lines(reply))
     if reply.late:
         lines.append(f"late in collectives: {len(reply.late)}")
         lines.extend(f"  {line[:200]}" for line in reply.late[:6])

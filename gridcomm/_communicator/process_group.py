@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -15,11 +17,11 @@ from gridcomm._client.client import CoordinatorClient
 from gridcomm._communicator.communicator import Communicator, build_backend
 from gridcomm._config.settings import ClientSettings, Settings
 from gridcomm._coordinator.server import Coordinator
-from gridcomm._errors import CoordinatorUnavailable, GridcommError, coordinator_lost
+from gridcomm._errors import ConfigError, CoordinatorUnavailable, GridcommError, coordinator_lost
 from gridcomm._runtime import health as _health
 from gridcomm._runtime.address import local_address
 from gridcomm._runtime.health import ProcessHealth
-from gridcomm._wire import shown_generation
+from gridcomm._wire import SERVICE_NAME, shown_generation
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,10 @@ class Job:
             self.client = CoordinatorClient(settings=dial, coordinator_rank=0 if settings.embedded else None)
             self.client.join()
             comm = self._communicator()
+            if self.coordinator is not None:
+                # Registered after the coordinator's own exit handler, so it runs first (atexit
+                # is last in, first out): the server then waits only for the other ranks.
+                atexit.register(_end_at_exit, comm)
         except BaseException as exc:
             self._give_up(exc)
             raise
@@ -139,7 +145,13 @@ class Job:
         settings = self.settings
         dial = settings.client
         if settings.coordinator is not None and self.coordinator is None:
-            self.coordinator = Coordinator(settings=settings.coordinator).start()
+            try:
+                self.coordinator = Coordinator(settings=settings.coordinator).start()
+            except CoordinatorUnavailable:
+                duplicate = _duplicate_rank_0(settings.bind, dial.port, self.world_size)
+                if duplicate is None:
+                    raise
+                raise duplicate from None
         if self.coordinator is not None:
             # Why: rank 0 dials its own server directly, not through a DNS name that may lag (with
             # TLS it keeps the configured name, which the certificate is issued for, unless
@@ -215,3 +227,40 @@ class Job:
             # Why a grace: the other joiners should get their answer (who is missing) before the
             # server goes; stop() returns as soon as none of them has a call in flight.
             self.coordinator.stop(grace_s=min(5.0, self.timeout_s))
+
+
+def _duplicate_rank_0(bind: str, port: int, world_size: int) -> ConfigError | None:
+    """The error for a rank 0 whose coordinator port is taken by another rank 0's coordinator (a
+    gridcomm coordinator answers its health service there), or None (something else holds it,
+    and the caller's 'port in use' stands). Why ask: "choose another port" would start a second
+    job beside the first, where the fault is the rank started twice."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    host = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
+    target = _config.format_target(host, port)
+    try:
+        with grpc.insecure_channel(target) as channel:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                                      timeout=2.0)
+    except grpc.RpcError:
+        return None  # not a coordinator's health service (or none answered)
+    return ConfigError(
+        f"rank 0 is already running: a gridcomm coordinator answers on {target}, the port this rank 0 would host "
+        f"it on, so another process was started as rank 0 of this {world_size}-rank job. Each rank must be "
+        "started exactly once: check this process's rank (GRIDCOMM_RANK, RANK or JOB_COMPLETION_INDEX).")
+
+
+def _end_at_exit(comm: Communicator) -> None:
+    """The coordinator's rank at interpreter exit without ``stop()``: it leaves (or, when the
+    script ended on an uncaught exception, fails naming it), as any rank's ``stop()`` would.
+    Why: otherwise the coordinator waited for its own rank's client, up to its exit grace, and
+    then blamed it for a lost connection. Nothing happens after a ``stop()`` (it is idempotent)."""
+    error = getattr(sys, "last_value", None)
+    try:
+        if isinstance(error, BaseException) and not isinstance(error, (SystemExit, KeyboardInterrupt)):
+            comm.abort(f"the script ended on an uncaught {type(error).__name__}: {error}"[:500])
+        else:
+            comm.stop()
+    except Exception as exc:  # noqa: BLE001 - at exit, say it and let the coordinator's own handler go on
+        log.warning("rank %d: leaving at exit failed: %s", comm.rank, exc)

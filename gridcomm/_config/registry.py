@@ -77,7 +77,11 @@ VARIABLES: tuple[Variable, ...] = (
              "a rank joins through its group's relay (the coordinator then sees one connection per group), and "
              "joins the coordinator directly if that relay does not answer within 20 s"),
     Variable("GRIDCOMM_HEALTH_PORT", "port", "none",
-             "this rank's plaintext grpc.health.v1 port (`\"\"` liveness, `gridcomm.v1.Coordinator` readiness)"),
+             "this rank's plaintext grpc.health.v1 port (`\"\"` liveness, `gridcomm.v1.Coordinator` readiness); "
+             "`gridcomm launch` gives its rank i this port + i"),
+    Variable("GRIDCOMM_RESTART_COUNT", "int >= 1", "unset (a first start)",
+             "set by `gridcomm launch --max-restarts` in a rank's restarted process: the job's restarts so far, this "
+             "one included (`TORCHELASTIC_RESTART_COUNT` likewise)"),
     Variable("GRIDCOMM_METRICS_PORT", "port", "none",
              "the Prometheus /metrics port of the process hosting the coordinator",
              "`metrics_port=` (`Coordinator`), `gridcomm serve --metrics-port`"),

@@ -177,21 +177,28 @@ def _reflection_pool() -> descriptor_pool.DescriptorPool:
 def _register_reflection(servicer: Servicer, server: grpc.aio.Server) -> None:
     """Adds gRPC server reflection (``grpc.reflection.v1alpha``, the one grpcio-reflection
     implements; grpcurl and grpcui fall back to it from v1) under the token rules of every other
-    coordinator call: the token is checked on the call's headers before any request is read, and a
-    call without it is refused UNAUTHENTICATED, counted and logged like the others. The answers
+    coordinator call: a call without the token is refused UNAUTHENTICATED, counted and logged like
+    the others, at its first request that asks for more than grpc.health.v1's schema (health
+    itself needs no token). The answers
     are grpcio-reflection's, from :func:`_reflection_pool`. The plaintext health port gets none:
     it needs no token (kubelet sends none), so it carries grpc.health.v1 and nothing else."""
     answers = reflection.aio.ReflectionServicer(SERVED, pool=_reflection_pool())
     name = "ServerReflectionInfo"
 
     async def info(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        await _admit(servicer, context, name)
+        servicer.metrics.watch_call(context, name)
+        # Without the token, requests about grpc.health.v1 alone are answered (health needs no
+        # token, and grpcurl asks reflection for Health's schema before its Check); any other
+        # request, or bytes that are none, is refused UNAUTHENTICATED as every other call is.
+        open_to_all = not servicer.has_token(context)
 
         async def requests() -> Any:
             while True:
                 request = await context.read()
                 if request is grpc.aio.EOF:
                     return
+                if open_to_all and (request is UNDECODABLE or not _about_health(request)):
+                    servicer.authenticate(context, name)  # raises: noted and refused like any call
                 if request is UNDECODABLE:
                     raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"a {name} request body is not a valid grpc.reflection.v1alpha.ServerReflectionRequest.")
@@ -207,6 +214,14 @@ def _register_reflection(servicer: Servicer, server: grpc.aio.Server) -> None:
         info, request_deserializer=decoder(reflection_pb2.ServerReflectionRequest),
         response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(reflection.SERVICE_NAME, {name: handler}),))
+
+
+def _about_health(request: reflection_pb2.ServerReflectionRequest) -> bool:
+    """A reflection request for grpc.health.v1's schema only (what a health check by hand needs)."""
+    asked = request.WhichOneof("message_request")
+    if asked == "file_containing_symbol":
+        return request.file_containing_symbol.startswith(health.SERVICE_NAME.rsplit(".", 1)[0] + ".")
+    return asked == "file_by_filename" and request.file_by_filename == health_pb2.DESCRIPTOR.name
 
 
 class Coordinator:

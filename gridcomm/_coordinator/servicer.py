@@ -119,6 +119,10 @@ class Servicer(StoreOps):
     def _now(self) -> float:
         return time.monotonic()
 
+    def has_token(self, context: grpc.aio.ServicerContext) -> bool:
+        """Whether the call carries the job's token (nothing is noted either way)."""
+        return token_problem(context, self._token) is None
+
     def authenticate(self, context: grpc.aio.ServicerContext, method: str) -> None:
         """Raises Abort(UNAUTHENTICATED) unless the call carries the job's token (on its headers,
         so before any request message is read)."""
@@ -776,7 +780,7 @@ class Servicer(StoreOps):
         return pb.StatusResponse(
             job_id=state.job_id,
             world_size=state.world_size,
-            generation=state.generation,
+            generation=shown_generation(state.generation) if state.generation else None,
             members=[member_pb(m) for m in sorted(state.members.values(), key=lambda m: m.rank)],
             missing_ranks=state.missing_join(),
             barriers=barriers,

@@ -541,7 +541,9 @@ class Job:
     def judge_Status(self, req: pb.StatusRequest, out: Outcome, what: str) -> None:
         self.expect(out, {OK}, what)
         s = out.response
-        assert (s.job_id, s.world_size, s.generation) == (self.job_id, self.world_size, self.generation), f"{what}: {s}"
+        # Status shows the generation as people read it (the wire's - 1), absent before the first.
+        shown = s.generation + 1 if s.HasField("generation") else 0
+        assert (s.job_id, s.world_size, shown) == (self.job_id, self.world_size, self.generation), f"{what}: {s}"
         self._check_members(s.members, what)
         assert list(s.missing_ranks) == self.missing(), what
         assert [f.rank for f in s.failures] == self.failed, f"{what}: failures {s.failures}"
