@@ -377,7 +377,9 @@ class Coordinator:
             credentials = grpc.ssl_server_credentials(
                 [(self.tls.key, self.tls.cert)], root_certificates=self.tls.ca,
                 require_client_auth=self.tls.require_client_cert)
-        admission = Admission("coordinator", CONTROL_UNAUTHENTICATED, authenticates=True)
+        # Why + world size: at a large job's start every rank's connection waits for its join to be
+        # admitted, seconds on a busy coordinator; those are never what is dropped.
+        admission = Admission("coordinator", CONTROL_UNAUTHENTICATED + self.world_size, authenticates=True)
         _ADMISSIONS[servicer] = admission
         self._main = GuardedServer("coordinator", target, server_options(self.world_size), register,
                                    credentials=credentials, on_accepting=self._accepting_changed, admission=admission)

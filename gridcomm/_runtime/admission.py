@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 #: second; between two sweeps a flood adds at most rate x SWEEP_S to what the cap allows, and
 #: gRPC's own cap leaves that much room above it.
 SWEEP_S = 0.25
-#: Unauthenticated connections kept: on a coordinator's port, and on a health port (where no call
+#: Unauthenticated connections kept: on a coordinator's port (plus its world size), and on a health port (where no call
 #: authenticates, so every connection counts; kubelet's probe is one short connection).
 CONTROL_UNAUTHENTICATED = 2048
 HEALTH_UNAUTHENTICATED = 1024
