@@ -80,8 +80,9 @@ def test_the_operator_rules_are_the_plain_rules():
 @pytest.mark.timeout(120)
 def test_a_stalled_rank_fires_the_failure_and_stall_alerts(tmp_path, coordinator_factory):
     metrics = free_port()
-    server = coordinator_factory(2, heartbeat_timeout_s=1.0, stall_timeout_s=1.0, metrics_port=metrics)
-    clients = [gridcomm.CoordinatorClient("127.0.0.1", server.port, r, 2, timeout_s=20) for r in range(2)]
+    # Three ranks: a laggard is named only when the ranks ahead of it are the majority.
+    server = coordinator_factory(3, heartbeat_timeout_s=1.0, stall_timeout_s=1.0, metrics_port=metrics)
+    clients = [gridcomm.CoordinatorClient("127.0.0.1", server.port, r, 3, timeout_s=20) for r in range(3)]
     threads = [threading.Thread(target=c.join) for c in clients]
     for t in threads:
         t.start()
@@ -92,7 +93,8 @@ def test_a_stalled_rank_fires_the_failure_and_stall_alerts(tmp_path, coordinator
         client.track(tracker)
     before = scrape(metrics)
     started = time.time()
-    trackers[0].enter("all_reduce")  # rank 0 waits in all_reduce #1; rank 1 never enters it
+    trackers[0].enter("all_reduce")  # ranks 0 and 2 wait in all_reduce #1; rank 1 never enters it
+    trackers[2].enter("all_reduce")
     wait_for(lambda: server.state.failures, "the stall is named", 30)
     after = scrape(metrics)
     for c in clients:

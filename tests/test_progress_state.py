@@ -61,7 +61,8 @@ def test_a_stale_laggard_is_left_to_liveness():
 
 
 def test_several_laggards_are_named_together_and_the_first_is_failed():
-    comm = comm_with({0: entry(9, inside=True), 1: entry(8), 2: entry(9, inside=True), 3: entry(8)}, now=0.0)
+    comm = comm_with({0: entry(9, inside=True), 1: entry(8), 2: entry(9, inside=True), 3: entry(8),
+                      4: entry(9, inside=True)}, now=0.0)
     hang = comm.hang(61.0, BOUND, 1e9)
     assert hang is not None and hang.rank == 1 and "ranks 1, 3 are behind with it" in hang.reason
 
@@ -188,3 +189,55 @@ def test_a_laggard_blocked_on_its_gpu_is_named_with_that():
     comm.report(1, Entry("world", 8, "all_reduce", 0.0, False, (), 6, 30.0), 0.0)
     hang = comm.hang(70.0, BOUND, 1e9)
     assert hang is not None and hang.rank == 1 and "its GPU has not completed collective #7 for 100 s" in hang.reason
+
+
+# ---------------------------------------------------------------- forged or buggy reports
+
+def test_a_forged_age_dates_an_entry_no_earlier_than_the_floor_or_the_previous_report():
+    comm = CommunicatorProgress("world")
+    comm.report(0, entry(1), 100.0, floor=90.0)
+    comm.report(1, entry(2, age=1e6, inside=True), 100.0, floor=90.0)   # its first report: not before 90
+    assert comm.rows(100.0)[1][3] == pytest.approx(10.0)
+    comm.report(0, entry(2, age=1e6, inside=True), 120.0, floor=90.0)   # advanced: not before its report at 100
+    assert comm.rows(120.0)[0][3] == pytest.approx(20.0)
+    comm.report(0, entry(2, age=1e6, inside=True), 130.0, floor=90.0)   # the same entry: the first date stands
+    assert comm.rows(130.0)[0][3] == pytest.approx(30.0)
+
+
+def test_one_rank_far_ahead_is_the_odd_one_out_and_names_nobody_else():
+    comm = comm_with({0: entry(3), 1: entry(3), 2: entry(3)}, now=0.0)
+    comm.report(3, entry(50, inside=True, age=1e6), 1.0, floor=0.0)
+    assert comm.hang(60.0, BOUND, 1e9) is None  # dated at 0 (the floor), not a million seconds ago
+    hang = comm.hang(61.0, BOUND, 1e9)
+    assert hang is not None and hang.rank == 3 and hang.cause == STALL
+    assert "rank 3 has entered all_reduce #50 of communicator 'world', which ranks 0-2 (the majority)" in hang.reason
+    assert "odd one out" in hang.reason
+
+
+def test_an_even_split_names_nobody_unless_the_laggard_says_its_gpu_is_stuck():
+    comm = comm_with({0: entry(3), 1: entry(4, inside=True)}, now=0.0)
+    assert comm.hang(1000.0, BOUND, 1e9) is None
+    comm.report(0, Entry("world", 3, "all_reduce", 0.0, False, (), 2, 70.0), 1000.0)
+    hang = comm.hang(1000.0, BOUND, 1e9)
+    assert hang is not None and hang.rank == 0 and "its GPU has not completed" in hang.reason
+
+
+def test_an_implausible_count_is_refused_and_nothing_of_the_report_is_kept():
+    progress = Progress()
+    progress.reset(1)
+    assert progress.report(0, 1, [entry(2)], 10.0, floor=9.0) is None
+    wrong = progress.report(0, 1, [entry(3, name="other"), entry(10**9)], 11.0, floor=9.0)
+    assert wrong is not None and "1000000000 collectives entered" in wrong
+    assert "other" not in progress.communicators and progress.communicators["world"].rows(11.0)[0][1] == 2
+    wrong = progress.report(1, 1, [entry(10**9)], 11.0, floor=9.0)  # a first report, 2 s after the floor
+    assert wrong is not None and "world" in wrong
+    assert progress.report(1, 1, [entry(50_000)], 11.0, floor=9.0) is None  # a plausible burst
+
+
+def test_an_even_split_of_fingerprints_names_nobody():
+    comm = comm_with({0: entry(1, recent=("all_reduce(a)",)), 1: entry(1, recent=("broadcast(b)",))})
+    assert comm.hang(0.0, BOUND, 1e9) is None
+    comm2 = comm_with({0: entry(1, recent=("all_reduce(a)",)), 1: entry(1, recent=("broadcast(b)",)),
+                       2: entry(1, recent=("all_reduce(a)",))})
+    hang = comm2.hang(0.0, BOUND, 1e9)
+    assert hang is not None and hang.rank == 1 and hang.cause == MISMATCH

@@ -28,6 +28,7 @@ from gridcomm import _config
 from gridcomm._client import progress as _progress
 from gridcomm._client import session as _session
 from gridcomm._client.channel import make_aio_channel, make_channel
+from gridcomm._client.inflight import Abandoned, InFlight
 from gridcomm._client.tracker import Tracker
 from gridcomm._client.watcher import Watcher
 from gridcomm._config.settings import ClientSettings
@@ -177,6 +178,10 @@ class CoordinatorClient:
         self._watcher: Watcher | None = None
         #: The communicators' progress counters this client's heartbeats carry (see tracker).
         self._trackers: list[Tracker] = []
+        #: Unary calls in flight, and the watcher's verdict that the coordinator is lost (until a
+        #: join or recovery enters a generation again): see gridcomm._client.inflight.
+        self._inflight = InFlight()
+        self._lost: GridcommError | None = None
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -214,7 +219,10 @@ class CoordinatorClient:
         if self._closed:
             raise CommAborted(f"{what}: this client was closed.")
         try:
-            return method(request, timeout=timeout_s, metadata=self._metadata, wait_for_ready=wait_for_ready)
+            return self._inflight.unary(method, request, timeout=timeout_s, metadata=self._metadata,
+                                        wait_for_ready=wait_for_ready)
+        except Abandoned as exc:
+            raise exc.raised() from None
         except grpc.RpcError as exc:
             raise translate(exc, what, self.target) from exc
 
@@ -230,6 +238,8 @@ class CoordinatorClient:
             started = time.monotonic()
             try:
                 return session.call(kind, request, timeout_s)
+            except Abandoned as exc:
+                raise exc.raised() from None
             except _session.OpError as exc:
                 raise translate(exc, what, self.target) from None
             except _session.StreamBroken as exc:
@@ -242,15 +252,21 @@ class CoordinatorClient:
         return self._call(getattr(self._stub, _UNARY[kind]), request, what, timeout_s, wait_for_ready=wait_for_ready)
 
     def _long_poll(self, what: str, timeout_s: float | None, attempt: Callable[[float, float], _T],
-                   progress: Callable[[list[int]], str], *, first_contact: bool = False) -> _T:
+                   progress: Callable[[list[int]], str], *, first_contact: bool = False,
+                   ends_when_lost: bool = True) -> _T:
         """Repeats ``attempt(wait_s, call_timeout_s)`` in bounded slices until it succeeds or the
-        overall deadline passes, logging who is still missing after each slice."""
+        overall deadline passes, logging who is still missing after each slice. ``ends_when_lost``:
+        once the watcher declared the coordinator lost, raises its error instead of another slice
+        (a join or a recovery is tried regardless)."""
         total = self.timeout_s if timeout_s is None else _config.parse_duration("timeout_s", timeout_s)
         started = time.monotonic()
         deadline = started + total
         answered = False
         speaker = _progress.Wait(what, self.target, total, started, progress)  # a long wait says who it waits for
         while True:
+            lost = self._lost
+            if lost is not None and ends_when_lost and not first_contact:
+                raise Abandoned(lost).raised()
             wait_s = max(0.0, min(deadline - time.monotonic(), PROGRESS_INTERVAL_S))
             try:
                 return attempt(wait_s, wait_s + _CALL_SLACK_S)
@@ -411,7 +427,8 @@ class CoordinatorClient:
             return self._op("join", self._join_request(wait_s, base, recovery), what, call_s)
 
         response = self._long_poll(what, timeout_s, attempt,
-                                   lambda missing: f"waiting for {len(missing)} rank(s): {missing[:16]}")
+                                   lambda missing: f"waiting for {len(missing)} rank(s): {missing[:16]}",
+                                   ends_when_lost=False)
         self._enter(response)
         return self.generation
 
@@ -428,6 +445,7 @@ class CoordinatorClient:
         """Takes the generation a join or a recovery answered: its number and members; barrier
         counts and the failure latch start afresh (the coordinator's keys and barriers do too)."""
         with self._failure_lock:
+            self._lost = None
             self.generation = response.generation
             self.members = tuple(response.member_ranks) or tuple(range(self.world_size))
             ahead, self._ahead = self._ahead, None
@@ -467,6 +485,18 @@ class CoordinatorClient:
             handler(error)
         else:
             log.warning("rank %d: %s", self.rank, error)
+
+    def abandon(self, error: GridcommError) -> None:
+        """From the watcher (on the loop): the coordinator is lost. Every call this client has in
+        flight ends now with ``error`` (unary, on its Session stream, through a relay), and so does
+        every later barrier or get, instead of waiting for its own deadline."""
+        self._lost = error
+        ended = self._inflight.abandon(error)
+        for session in (self._session, self._own_relay):
+            if session is not None:
+                ended += session.abandon(error)
+        if ended:
+            log.debug("rank %d: %d call(s) in flight ended: %s", self.rank, ended, error)
 
     def track(self, tracker: Tracker) -> None:
         """Carries ``tracker``'s progress on every heartbeat from now on (a communicator's)."""

@@ -26,6 +26,8 @@ from typing import Any
 
 import grpc
 
+from gridcomm._client.inflight import Abandoned
+from gridcomm._errors import GridcommError
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._runtime import loop as _eventloop
@@ -64,13 +66,15 @@ class _Waiter:
     """One caller thread waiting for one result: a lock taken at creation and released by the
     loop (cheaper than an Event, whose Condition costs more per wake-up)."""
 
-    __slots__ = ("lock", "result", "broken")
+    __slots__ = ("lock", "result", "broken", "error")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.lock.acquire()
         self.result: pb.SessionResult | None = None
         self.broken: str | None = None
+        #: The watcher's verdict that ended this operation (see abandon).
+        self.error: GridcommError | None = None
 
     def wake(self) -> None:
         self.lock.release()
@@ -79,12 +83,13 @@ class _Waiter:
 class _LoopWaiter:
     """A coroutine on the loop itself (the watcher's heartbeat) waiting for one result."""
 
-    __slots__ = ("future", "result", "broken")
+    __slots__ = ("future", "result", "broken", "error")
 
     def __init__(self, future: asyncio.Future[None]) -> None:
         self.future = future
         self.result: pb.SessionResult | None = None
         self.broken: str | None = None
+        self.error: GridcommError | None = None
 
     def wake(self) -> None:
         if not self.future.done():
@@ -277,6 +282,19 @@ class Session:
                 waiter.broken = f"the Session stream to {self._target} {why}"
                 waiter.wake()
 
+    def abandon(self, error: GridcommError) -> int:
+        """Ends every operation awaited on this stream with ``error`` (the watcher declared the
+        coordinator lost; see gridcomm._client.inflight): its caller raises that error, and the
+        operation is not repeated. Runs on the loop; returns how many it ended."""
+        ended = 0
+        for op_id in list(self._waiters):
+            waiter = self._waiters.pop(op_id, None)
+            if waiter is not None:
+                waiter.error = error
+                waiter.wake()
+                ended += 1
+        return ended
+
     async def close(self) -> None:
         """Ends the stream (the client closes the channel it runs on)."""
         self._closed = True
@@ -307,6 +325,8 @@ class Session:
 
 
 def _outcome(waiter: _Waiter | _LoopWaiter, kind: str) -> Any:
+    if waiter.error is not None:
+        raise Abandoned(waiter.error)
     if waiter.broken is not None:
         raise StreamBroken(waiter.broken)
     result = waiter.result

@@ -142,6 +142,10 @@ class Watched(Protocol):
 
     def watched(self, error: GridcommError, generation: int) -> None: ...
 
+    def abandon(self, error: GridcommError) -> None:
+        """The coordinator is lost: the client's calls in flight end with ``error``."""
+        ...
+
     def aio_channel(self) -> grpc.aio.Channel:
         """The client's channel on the background loop (shared with its Session stream)."""
         ...
@@ -195,6 +199,15 @@ class Watcher:
         if task is not None and running is not None:
             running.call_soon_threadsafe(task.cancel)
 
+    def _give_up(self, error: GridcommError, generation: int) -> None:
+        """The coordinator is lost: reported, and the client's calls in flight end with it."""
+        self._report(error, generation)
+        if not self._stopped:
+            try:
+                self._client.abandon(error)
+            except Exception:  # noqa: BLE001 - the verdict stands; the calls meet their deadlines
+                log.exception("rank %d: ending the calls in flight raised", self._client.rank)
+
     def _report(self, error: GridcommError, generation: int) -> None:
         if self._stopped:
             return
@@ -232,11 +245,11 @@ class Watcher:
                         refused = refused or _refused(exc)
                         down_s = time.monotonic() - down_since
                         if refused and down_s >= grace:
-                            self._report(self._dropped(down_s, grace, exc.details() or exc.code().name), generation)
+                            self._give_up(self._dropped(down_s, grace, exc.details() or exc.code().name), generation)
                             return
                         silent = self._silent(last_ok, lag_ok)
                         if silent > timeout_s:
-                            self._report(self._lost(silent, f"{exc.code().name}: {exc.details()}"), generation)
+                            self._give_up(self._lost(silent, f"{exc.code().name}: {exc.details()}"), generation)
                             return
                         await asyncio.sleep(REDIAL_PAUSE_S)
                         continue
@@ -275,7 +288,7 @@ class Watcher:
                             return
                         silent = self._silent(last_ok, lag_ok)
                         if silent > timeout_s:
-                            self._report(self._lost(silent, f"{code.name}: {exc.details()}"), generation)
+                            self._give_up(self._lost(silent, f"{code.name}: {exc.details()}"), generation)
                             return
                         if client.coordinator_rank is not None and code == grpc.StatusCode.UNAVAILABLE:
                             down_since, refused = time.monotonic(), _refused(exc)

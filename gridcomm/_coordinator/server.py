@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,6 +30,12 @@ from gridcomm._coordinator.session import ServerSession
 from gridcomm._coordinator.state import JobState, Limits
 from gridcomm._errors import ConfigError, CoordinatorUnavailable
 from gridcomm._proto import coordinator_pb2 as pb
+from gridcomm._runtime.admission import (
+    CONTROL_HEADROOM,
+    CONTROL_UNAUTHENTICATED,
+    HEALTH_UNAUTHENTICATED,
+    Admission,
+)
 from gridcomm._runtime.guard import (
     BoundedHealth,
     GuardedServer,
@@ -42,13 +49,13 @@ from gridcomm._wire import SERVICE_NAME, UNDECODABLE, decoder
 
 log = logging.getLogger(__name__)
 
-#: Connections the coordinator holds beyond 4 per rank. Why this many: the count cannot tell a
-#: rank's connection from an unauthenticated one, so it is set far above what ranks need (a
-#: small margin is filled by idle sockets, locking replacements out) and idle eviction (30 s, see
-#: gridcomm._runtime.guard) is what frees connections that never make a call; the cap only
-#: bounds descriptors and memory: an idle connection costs the server tens of KB (more with TLS),
-#: so 8,192 of them stay within a few hundred MB, inside the recoverable layout's 1 GiB pod.
-SPARE_CONNECTIONS = 8_192
+#: Connections the coordinator holds beyond 4 per rank: room for what a flood of unauthenticated
+#: connections opens between two sweeps of its admission (which keeps at most
+#: CONTROL_UNAUTHENTICATED of them, see gridcomm._runtime.admission), so a token holder or a new
+#: rank always finds a slot. An idle connection costs the server ~17 KB, ~48 KB with TLS.
+SPARE_CONNECTIONS = CONTROL_HEADROOM
+#: Each servicer's admission (its calls mark their connections authenticated there).
+_ADMISSIONS: weakref.WeakKeyDictionary[Servicer, Admission] = weakref.WeakKeyDictionary()
 
 
 def max_connections(world_size: int) -> int:
@@ -70,12 +77,16 @@ def server_options(world_size: int) -> list[tuple[str, Any]]:
 
 
 async def _admit(servicer: Servicer, context: grpc.aio.ServicerContext, name: str) -> None:
-    """Checks the call's token on its headers; a refused call is answered (and this raises)."""
+    """Checks the call's token on its headers; a refused call is answered (and this raises). An
+    admitted call's connection is authenticated from then on (see gridcomm._runtime.admission)."""
     servicer.metrics.watch_call(context, name)  # counted by method and code when the call ends
     try:
         servicer.authenticate(context, name)
     except Exception as exc:  # noqa: BLE001 - refused with a status, never a crash
         await refuse(context, name, exc)
+    admission = _ADMISSIONS.get(servicer)
+    if admission is not None:
+        admission.admitted(context.peer())
 
 
 async def _read_request(context: grpc.aio.ServicerContext, name: str) -> Any:
@@ -385,8 +396,12 @@ class Coordinator:
             credentials = grpc.ssl_server_credentials(
                 [(self.tls.key, self.tls.cert)], root_certificates=self.tls.ca,
                 require_client_auth=self.tls.require_client_cert)
+        # Why + world size: at a large job's start every rank's connection waits for its join to be
+        # admitted, seconds on a busy coordinator; those are never what is dropped.
+        admission = Admission("coordinator", CONTROL_UNAUTHENTICATED + self.world_size, authenticates=True)
+        _ADMISSIONS[servicer] = admission
         self._main = GuardedServer("coordinator", target, server_options(self.world_size), register,
-                                   credentials=credentials, on_accepting=self._accepting_changed)
+                                   credentials=credentials, on_accepting=self._accepting_changed, admission=admission)
         port = await self._main.start()
         if port == 0:
             raise CoordinatorUnavailable(
@@ -397,8 +412,10 @@ class Coordinator:
         health_server = None
         if self._health_port_requested is not None:
             health_target = _config.format_target(self.bind, self._health_port_requested)
+            health_admission = Admission("coordinator health", HEALTH_UNAUTHENTICATED, authenticates=False)
+            health_servicer.admissions.append(health_admission)
             health_server = GuardedServer("coordinator health", health_target, health_server_options(),
-                                          health_servicer.register)
+                                          health_servicer.register, admission=health_admission)
             self.health_port = await health_server.start()
             if not self.health_port:
                 await self._main.stop(0)

@@ -608,8 +608,10 @@ class Servicer(StoreOps):
         if request.progress:
             said = progress_said(request.progress)
             if said is None or not state.progress_unchanged(member.rank, caller.generation, said, now):
-                state.report_progress(member.rank, caller.generation, self._entries(request.progress, "a heartbeat"),
-                                      now, said)
+                wrong = state.report_progress(member.rank, caller.generation,
+                                              self._entries(request.progress, "a heartbeat"), now, said)
+                if wrong is not None:
+                    raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"a heartbeat of rank {member.rank}: {wrong}.")
         state.heartbeat(member.rank, now, self.lag.total_s)
         beat = member.last_heartbeat
         self._wake(("beat", member.rank))  # a second process for this rank may wait to learn it is alive
@@ -688,8 +690,11 @@ class Servicer(StoreOps):
                     said = progress_said(mine)
                     try:
                         if said is None or not state.progress_unchanged(rank, generation, said, now):
-                            state.report_progress(rank, generation,
-                                                  self._entries(mine, f"rank {rank}'s relayed heartbeat"), now, said)
+                            wrong = state.report_progress(
+                                rank, generation, self._entries(mine, f"rank {rank}'s relayed heartbeat"), now, said)
+                            if wrong is not None:
+                                raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                            f"rank {rank}'s relayed heartbeat: {wrong}.")
                     except Abort as exc:
                         state.progress_forget(rank)  # a later "same" gets a resend, not a refresh
                         log.warning("coordinator: %s (its progress is left out)", exc.message)

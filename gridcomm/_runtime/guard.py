@@ -30,12 +30,14 @@ refused kubelet's probes. Instead:
   answered on their headers, a health request not sent within :data:`HEALTH_READ_S` (5 s) is
   refused, and a read past :data:`MAX_HEALTH_READS` evicts the oldest (see :class:`BoundedHealth`),
   so idle eviction cannot be dodged by holding a call open;
-- the count caps stay only as a bound on file descriptors and memory (an idle HTTP/2 connection
-  costs the server ~17 KB, ~48 KB with TLS): the coordinator takes ``4 x world size + 8,192`` and
-  a health port :data:`HEALTH_MAX_CONNECTIONS` (4,096), each at most a share of the process's
+- unauthenticated connections are capped apart, below gRPC's own caps, and the oldest of the
+  peer holding the most are dropped past it (:mod:`gridcomm._runtime.admission`), so a flood
+  that reconnects as fast as it can never fills gRPC's caps;
+- the count caps stay as a bound on file descriptors and memory (an idle HTTP/2 connection
+  costs the server ~17 KB, ~48 KB with TLS): the coordinator takes ``4 x world size + 10,240`` and
+  a health port :data:`HEALTH_MAX_CONNECTIONS` (9,216), each at most a share of the process's
   open-file limit (:func:`connection_cap`), which is raised from its soft to its hard value the
-  first time (:func:`open_file_limit`). Filling them takes ~8,200 sockets held open (and
-  connected again every 30 s once idle-closed; a health port 4,096 every 3 s), not a few hundred.
+  first time (:func:`open_file_limit`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from gridcomm._runtime.admission import HEALTH_MAX_CONNECTIONS, Admission
 from gridcomm._wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES
 
 log = logging.getLogger(__name__)
@@ -88,12 +91,10 @@ HEALTH_IDLE_S = 3.0
 #: From a health-port connection's accept to its HTTP/2 settings (plaintext; kubelet's probe
 #: times out after 1 s by default).
 HEALTH_HANDSHAKE_S = 3.0
-#: Connections a health port holds at once (also at most 1/8 of the open-file limit).
-HEALTH_MAX_CONNECTIONS = 4096
 #: The share of the open-file limit one port's connections may take (the rest is for the other
-#: ports and whatever else the process opens): a control port 1/2, a health port 1/8.
+#: ports and whatever else the process opens): a control port 1/2, a health port 1/4.
 _FD_SHARE_CONTROL = 2
-_FD_SHARE_HEALTH = 8
+_FD_SHARE_HEALTH = 4
 #: Soft limit to raise to where the hard limit is unlimited (Linux's default fs.nr_open).
 _FD_UNLIMITED = 1 << 20
 
@@ -281,8 +282,11 @@ class GuardedServer:
     def __init__(self, name: str, target: str, options: list[tuple[str, Any]],
                  register: Callable[[grpc.aio.Server], None], *,
                  credentials: grpc.ServerCredentials | None = None,
-                 on_accepting: Callable[[bool], None] | None = None) -> None:
+                 on_accepting: Callable[[bool], None] | None = None,
+                 admission: Admission | None = None) -> None:
         self.name = name
+        #: Caps the port's unauthenticated connections (see gridcomm._runtime.admission).
+        self.admission = admission
         self._target = target
         self._options = options
         self._register = register
@@ -326,6 +330,8 @@ class GuardedServer:
         self._serving = await _start(server)
         self._server, self.port, self.accepting = server, port, True
         self._watchdog = asyncio.ensure_future(self._watch())
+        if self.admission is not None:
+            self.admission.start(lambda: self.port)
         return port
 
     async def _watch(self) -> None:
@@ -386,6 +392,8 @@ class GuardedServer:
     async def stop(self, grace_s: float | None) -> None:
         self._stopping = True
         self.accepting = False
+        if self.admission is not None:
+            self.admission.stop()
         if self._watchdog is not None:
             self._watchdog.cancel()
         server, self._server = self._server, None
@@ -420,6 +428,9 @@ class BoundedHealth(health.aio.HealthServicer):  # type: ignore[misc]
         self.watchers = 0
         #: The reads in progress, oldest first; each one's future is set when it is evicted.
         self._readers: dict[asyncio.Future[None], None] = {}
+        #: The health ports' admissions: a connection that sent a health call is not dropped as
+        #: one that never made a call (see gridcomm._runtime.admission).
+        self.admissions: list[Admission] = []
 
     def register(self, server: grpc.aio.Server) -> None:
         """Adds grpc.health.v1.Health to ``server``: the same wire format as the generated
@@ -435,6 +446,10 @@ class BoundedHealth(health.aio.HealthServicer):  # type: ignore[misc]
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(health.SERVICE_NAME, handlers),))
 
     async def _read(self, context: grpc.aio.ServicerContext) -> Any:
+        if self.admissions:
+            peer = context.peer()
+            for admission in self.admissions:
+                admission.served(peer)
         evicted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._readers[evicted] = None
         if len(self._readers) > MAX_HEALTH_READS:

@@ -21,8 +21,10 @@ probe passes meanwhile) and ``init_process_group``; it lives until the process e
 The port needs no token (kubelet sends none), so what others can hold there is bounded by
 :func:`gridcomm._runtime.guard.health_server_options`: a connection with no call open is closed
 after 3 s and one that has not sent its HTTP/2 settings after 3 s, so a few hundred idle sockets
-never refuse a probe (kubelet opens a connection per probe); at most 4,096 connections (1/8 of
-the open-file limit, which starting the server raises to its hard limit).
+never refuse a probe (kubelet opens a connection per probe); past 1,024 connections the oldest
+of the peer holding the most are dropped (gridcomm._runtime.admission), so a flood that reconnects
+cannot fill the cap of 9,216 (at most 1/4 of the open-file limit, which starting the server
+raises to its hard limit).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from grpc_health.v1 import health_pb2
 
 from gridcomm import _config
 from gridcomm._errors import CoordinatorUnavailable, GridcommError
+from gridcomm._runtime.admission import HEALTH_UNAUTHENTICATED, Admission
 from gridcomm._runtime.guard import BoundedHealth, GuardedServer, health_server_options
 from gridcomm._runtime.loop import run_soon, submit
 from gridcomm._wire import SERVICE_NAME
@@ -72,7 +75,10 @@ class ProcessHealth:
             await self._health.set("", _SERVING)
             await self._health.set(SERVICE_NAME, _NOT_SERVING)
             target = _config.format_target(self._bind, self._requested)
-            server = GuardedServer("rank health", target, health_server_options(), self._health.register)
+            admission = Admission("rank health", HEALTH_UNAUTHENTICATED, authenticates=False)
+            self._health.admissions.append(admission)
+            server = GuardedServer("rank health", target, health_server_options(), self._health.register,
+                                   admission=admission)
             port = await server.start()
             if port == 0:
                 raise CoordinatorUnavailable(

@@ -94,14 +94,17 @@ class Liveness(StateBase):
     member_changes: int
 
     def report_progress(self, rank: int, generation: int, entries: Iterable[Entry], now: float,
-                        said: Hashable | None = None) -> None:
-        """``rank``'s progress in its communicators of ``generation`` (see state.progress)."""
+                        said: Hashable | None = None) -> str | None:
+        """``rank``'s progress in its communicators of ``generation`` (see state.progress); no
+        entry is dated before the generation formed or the rank joined. Returns why the report
+        cannot be true (nothing of it is kept), or None."""
         if self.progress.generation != self.generation:
             self.progress.reset(self.generation)
         member = self.members.get(rank)
         if member is None or member.state is not MemberState.JOINED or self._failed:
-            return
-        self.progress.report(rank, generation, entries, now, said)
+            return None
+        floor = max(member.joined_at, self.completed_at if self.completed_at is not None else member.joined_at)
+        return self.progress.report(rank, generation, entries, now, said, floor)
 
     def progress_unchanged(self, rank: int, generation: int, said: Hashable, now: float) -> bool:
         """True when ``rank``'s report says what its last one said (see Progress.unchanged), which

@@ -15,6 +15,14 @@ and whether its call is still in it. From that the coordinator names two kinds o
 With fingerprints (``GRIDCOMM_DEBUG=collectives``) it also names the first collective that ranks
 called differently. Pure: the caller passes ``now`` (monotonic seconds) into every method.
 
+Reports are each rank's own word, so none can frame another rank: an entry is never dated before
+what the coordinator saw (the generation forming, the rank's previous report), a count that
+advances faster than :data:`MAX_RATE` is refused, and ranks behind are named only when those ahead
+are the majority (fewer ahead: the furthest ahead is the odd one out; an even split names the
+laggard only when those ahead wait in the very next collective, or the laggard itself says its GPU
+is stuck). A fingerprint mismatch names the smaller group,
+and nobody on an even split.
+
 Costs: a report is O(1) per communicator (a histogram of counts is kept, not scanned); a check is
 O(distinct counts) per communicator, and a rank list is built only when a hang is named.
 """
@@ -37,6 +45,11 @@ MAX_RECENT = 64
 MAX_FINGERPRINT = 256
 #: Counts whose fingerprints are kept for comparison at once, per communicator.
 MAX_PRINTED_COUNTS = 4096
+#: How fast a rank's count may plausibly advance between two of its reports: collectives per
+#: second, plus a burst. Far above what any backend launches (NCCL enqueues a small collective in
+#: microseconds), far below a forged count such as 1e9 a second after the join.
+MAX_RATE = 1_000_000.0
+MAX_BURST = 100_000
 
 STALL = "stall"
 MISMATCH = "mismatch"
@@ -136,8 +149,26 @@ class CommunicatorProgress:
         #: heartbeat, so this holds few ranks and a check never scans them all.
         self._gpu_waiting: dict[int, tuple[float, int]] = {}
 
-    def report(self, rank: int, entry: Entry, now: float) -> None:
-        at = now - entry.age_s
+    def implausible(self, rank: int, entry: Entry, now: float, floor: float = -math.inf) -> str | None:
+        """Why ``rank``'s ``entry`` cannot be true, in words (None: it can): its count advanced
+        faster than :data:`MAX_RATE` since its previous report (or since ``floor``, when the
+        generation formed, for its first)."""
+        old = self.ranks.get(rank)
+        since, before = (floor, 0) if old is None else (old.reported_at, old.entered)
+        allowed = MAX_BURST + MAX_RATE * max(0.0, now - since)
+        if entry.entered - before > allowed:
+            return (f"communicator {self.name!r}: {entry.entered} collectives entered, {entry.entered - before} since "
+                    f"the rank's previous report {max(0.0, now - since):.1f} s ago (at most {MAX_BURST:,} + "
+                    f"{MAX_RATE:,.0f} per second)")
+        return None
+
+    def report(self, rank: int, entry: Entry, now: float, floor: float = -math.inf) -> None:
+        """``rank``'s entry as of ``now``. Its entry time is ``now`` less its reported age, but never
+        earlier than what the coordinator knows bounds it: ``floor`` (the generation formed, or the
+        rank joined), its previous report when the count advanced since (it was not in this one
+        then), and the first estimate when the count is the same. So a forged age moves no entry
+        before a time the coordinator saw."""
+        at = max(now - entry.age_s, floor)
         old = self.ranks.get(rank)
         before = -1 if old is None else old.entered
         if old is None:
@@ -149,7 +180,9 @@ class CommunicatorProgress:
             if not self._at[old.entered]:
                 del self._at[old.entered]
             if entry.entered == old.entered:
-                at = min(at, old.entered_at)  # the same entry: the first estimate of when stands
+                at = old.entered_at  # the same entry: the first estimate of when stands
+            else:
+                at = max(at, old.reported_at)
             old.entered, old.kind, old.entered_at, old.inside, old.reported_at = (entry.entered, entry.kind, at,
                                                                                     entry.inside, now)
         self._at.setdefault(entry.entered, set()).add(rank)
@@ -255,11 +288,22 @@ class CommunicatorProgress:
             if waited <= bound_s:
                 return None
             ahead = [r for c, ranks in self._at.items() if c >= count for r in ranks]
+            # Why a majority: counts are each rank's own word. Ranks behind are named only when
+            # those ahead are more than half (so one rank, forged or buggy, claiming to be ahead
+            # cannot get the rest named); when those ahead are fewer, the furthest ahead is the odd
+            # one out; an even split names a laggard only on its own word (its GPU has not
+            # completed its work for the bound) or when those ahead wait in the very next
+            # collective (the shape of an honest wait: two ranks, one stopped, must still be named);
+            # one claiming to be further ahead names nobody (the call timeouts still bound the wait).
+            if 2 * len(ahead) < len(self.ranks):
+                return self._odd_one_ahead(now, bound_s, fresh_s)
+            gpu = self._gpu_stuck(laggards[:1], now, bound_s, fresh_s)
+            if 2 * len(ahead) == len(self.ranks) and not gpu and max(self._at) != count:
+                return None
             what = f"{kind} #{count}" if kind else f"collective #{count}"
             last = (f"; its last was {their_kind} #{count - 1}" if count > 1 and their_kind else
                     "; it has entered none")
             others = f"; ranks {_ranks_text(laggards)} are behind with it" if len(laggards) > 1 else ""
-            gpu = self._gpu_stuck(laggards[:1], now, bound_s, fresh_s)
             waits = (f"; its GPU has not completed collective #{gpu[0][2] + 1} for {gpu[0][1]:.0f} s (it waits for its "
                      "GPU: an NCCL, GPU or network hang)" if gpu else "")
             reason = (f"rank {laggards[0]} has not entered {what} of communicator {self.name!r} for {waited:.0f} s; "
@@ -292,6 +336,22 @@ class CommunicatorProgress:
             return Hang(stuck[0], reason, STALL, self.name)
         return None
 
+    def _odd_one_ahead(self, now: float, bound_s: float, fresh_s: float) -> Hang | None:
+        """The rank furthest ahead, when the ranks behind it are the majority and it has waited
+        in its collective past the bound (dated from its own entry, which is never earlier than
+        its previous report)."""
+        top = max(self._at)
+        first = self._first.get(top)
+        odd = sorted(r for r in self._at[top] if now - self.ranks[r].reported_at <= fresh_s)
+        if first is None or not odd or now - first[0] <= bound_s:
+            return None
+        behind = [r for c, ranks in self._at.items() if c < top for r in ranks]
+        what = f"{first[1]} #{top}" if first[1] else f"collective #{top}"
+        reason = (f"rank {odd[0]} has entered {what} of communicator {self.name!r}, which ranks {_ranks_text(behind)} "
+                  f"(the majority) have not entered for {now - first[0]:.0f} s: it is the odd one out (it called "
+                  f"collectives the others did not; stall bound {bound_s:g} s, GRIDCOMM_STALL_TIMEOUT_S)")
+        return Hang(odd[0], reason, STALL, self.name)
+
     def _mismatch(self) -> Hang | None:
         """The first count at which every rank reported a fingerprint and they differ; the rank
         named is one of the smallest group (the odd one out)."""
@@ -307,6 +367,12 @@ class CommunicatorProgress:
             ordered = sorted(groups.items(), key=lambda item: (len(item[1]), -min(item[1])))
             odd_print, odd = ordered[0]
             main_print, main = ordered[-1]
+            if len(odd) == len(main):
+                # Why nobody: fingerprints are each rank's own word; with an even split naming
+                # either would let one rank get another named. The stall check and the call
+                # timeouts still end the wait.
+                del self._prints[count]
+                continue
             odd_rank, main_rank = min(odd), min(main)
             reason = (f"collective #{count} of communicator {self.name!r}: rank {odd_rank} called {odd_print}, "
                       f"rank {main_rank} called {main_print}"
@@ -332,7 +398,8 @@ class Progress:
         self._said: dict[int, Hashable] = {}
 
     def reset(self, generation: int) -> None:
-        """A new generation: its communicators are new."""
+        """A new generation: its communicators are new (entries are dated no earlier than the
+        ``floor`` that :meth:`report` is given: when the generation formed)."""
         self.generation = generation
         self.communicators.clear()
         self._reported.clear()
@@ -372,11 +439,23 @@ class Progress:
         self._said.pop(rank, None)
 
     def report(self, rank: int, generation: int, entries: Iterable[Entry], now: float,
-               said: Hashable | None = None) -> None:
+               said: Hashable | None = None, floor: float = -math.inf) -> str | None:
         """``rank``'s report of ``generation`` (one of another generation is ignored); ``said``:
-        what :meth:`unchanged` compares the next report with (None: nothing)."""
+        what :meth:`unchanged` compares the next report with (None: nothing); ``floor``: no entry
+        is dated earlier (when the generation formed or the rank joined). Returns why the report
+        cannot be true (then nothing of it is kept), or None."""
         if generation != self.generation or generation == 0:
-            return
+            return None
+        entries = list(entries)
+        for entry in entries:
+            comm = self.communicators.get(entry.communicator)
+            wrong = None if comm is None else comm.implausible(rank, entry, now, floor)
+            if comm is None and entry.entered > MAX_BURST + MAX_RATE * max(0.0, now - floor):
+                wrong = (f"communicator {entry.communicator!r}: {entry.entered} collectives entered "
+                         f"{max(0.0, now - floor):.1f} s after the generation formed")
+            if wrong is not None:
+                self._said.pop(rank, None)
+                return wrong
         names = set()
         for entry in entries:
             comm = self.communicators.get(entry.communicator)
@@ -384,7 +463,7 @@ class Progress:
                 if len(self.communicators) >= MAX_COMMUNICATORS:
                     continue
                 comm = self.communicators[entry.communicator] = CommunicatorProgress(entry.communicator)
-            comm.report(rank, entry, now)
+            comm.report(rank, entry, now, floor)
             names.add(entry.communicator)
         for gone in self._reported.get(rank, frozenset()) - names:
             self._drop(gone, rank)
@@ -393,6 +472,7 @@ class Progress:
             self._said.pop(rank, None)
         else:
             self._said[rank] = said
+        return None
 
     def _drop(self, name: str, rank: int) -> None:
         comm = self.communicators.get(name)
