@@ -214,9 +214,15 @@ def test_one_rank_far_ahead_is_the_odd_one_out_and_names_nobody_else():
     assert "odd one out" in hang.reason
 
 
-def test_an_even_split_names_nobody_unless_the_laggard_says_its_gpu_is_stuck():
-    comm = comm_with({0: entry(3), 1: entry(4, inside=True)}, now=0.0)
+def test_an_even_split_names_the_laggard_only_for_the_next_collective_or_on_its_own_word():
+    # Rank 1 waits in the very next collective: the shape of an honest wait, two ranks named.
+    honest = comm_with({0: entry(3), 1: entry(4, inside=True)}, now=0.0)
+    hang = honest.hang(1000.0, BOUND, 1e9)
+    assert hang is not None and hang.rank == 0 and "has not entered all_reduce #4" in hang.reason, hang
+    # Rank 1 claims to wait three collectives further on: its word alone names nobody ...
+    comm = comm_with({0: entry(3), 1: entry(7, inside=True)}, now=0.0)
     assert comm.hang(1000.0, BOUND, 1e9) is None
+    # ... unless the laggard itself says its GPU is stuck.
     comm.report(0, Entry("world", 3, "all_reduce", 0.0, False, (), 2, 70.0), 1000.0)
     hang = comm.hang(1000.0, BOUND, 1e9)
     assert hang is not None and hang.rank == 0 and "its GPU has not completed" in hang.reason
