@@ -6,17 +6,18 @@ send/recv are left out (pairs make them, so ranks' counts of them differ in a he
 The count, the last kind and whether the call is still in it are read by the watcher on the
 background loop for each heartbeat (see ``gridcomm._coordinator.state.progress`` for what the
 coordinator makes of them). The main thread's cost per call is three attribute stores; with
-``GRIDCOMM_DEBUG=collectives`` also a lock and a fingerprint of the call's arguments.
+``GRIDCOMM_DEBUG=collectives`` also a lock, a fingerprint of the call's arguments and its fold
+into the communicator's running digest (see gridcomm._client.digest).
 """
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from gridcomm._client.digest import DigestLog
 from gridcomm._proto import coordinator_pb2 as pb
 
 #: Fingerprints kept per communicator (the coordinator's limit per report).
@@ -95,8 +96,8 @@ class Tracker:
     at a sample is dated then, at most one heartbeat period late, which only ever delays a
     stall's naming, never hastens it."""
 
-    __slots__ = ("name", "generation", "entered", "kind", "inside", "stream", "sampler", "_recent", "_lock", "_seen",
-                 "_seen_at")
+    __slots__ = ("name", "generation", "entered", "kind", "inside", "stream", "sampler", "_log", "_lock", "_seen",
+                 "_seen_at", "_probes")
 
     def __init__(self, name: str, generation: int, *, fingerprints: bool = False) -> None:
         self.name = name
@@ -110,7 +111,10 @@ class Tracker:
         self.stream: Any = None
         #: NCCL: () -> (collectives known complete on the GPU, seconds its pending sample waited).
         self.sampler: Callable[[], tuple[int, float]] | None = None
-        self._recent: collections.deque[str] | None = collections.deque(maxlen=RECENT) if fingerprints else None
+        #: Only with fingerprints: the running digest and the last collectives' fingerprints.
+        self._log = DigestLog() if fingerprints else None
+        #: The coordinator's DigestProbes not yet answered: (counts, with fingerprints).
+        self._probes: list[tuple[list[int], bool]] = []
         #: Only with fingerprints: the window and the count must be read together.
         self._lock = threading.Lock() if fingerprints else None
         #: The count at the last sample, and when it was first seen.
@@ -119,17 +123,18 @@ class Tracker:
 
     @property
     def fingerprints(self) -> bool:
-        return self._recent is not None
+        return self._log is not None
 
     def enter(self, kind: str, print_: str | None = None) -> None:
         if self._lock is None:
             self.entered += 1
             self.kind = kind
         else:
-            assert self._recent is not None
+            assert self._log is not None
             with self._lock:
-                self._recent.append(print_ or f"{kind}()")
-                self.entered += 1
+                count = self.entered + 1
+                self._log.add(count, print_ or f"{kind}()")
+                self.entered = count
                 self.kind = kind
         self.inside = True
 
@@ -139,24 +144,42 @@ class Tracker:
     def progress(self) -> pb.Progress:
         """The report for the next heartbeat (read on the background loop)."""
         recent: list[str] = []
+        digest = 0
+        answers: tuple[list[int], list[int], list[str], list[int]] = ([], [], [], [])
         if self._lock is None:
             entered, kind = self.entered, self.kind
         else:
-            assert self._recent is not None
+            log = self._log
+            assert log is not None
             with self._lock:
-                entered, kind = self.entered, self.kind
-                recent = list(self._recent)
+                entered, kind, digest = self.entered, self.kind, log.digest
+                recent = log.recent(entered, RECENT)
+                probes, self._probes = self._probes, []
+                if probes:
+                    # Fingerprints for all or none (the answer's lists are parallel).
+                    prints = any(p for _, p in probes)
+                    answers = log.answer([c for counts, _ in probes for c in counts], prints, entered)
         now = time.monotonic()
         if entered != self._seen:
             self._seen, self._seen_at = entered, now
         completed, gpu_wait_s = self.sampler() if self.sampler is not None else (0, 0.0)
         return pb.Progress(communicator=self.name, entered=entered, kind=kind, age_s=max(0.0, now - self._seen_at),
                            inside=self.inside, recent=recent[-entered:] if entered else [], completed=completed,
-                           gpu_wait_s=gpu_wait_s)
+                           gpu_wait_s=gpu_wait_s, digest=digest, probe_counts=answers[0], probe_digests=answers[1],
+                           probe_prints=answers[2], probe_lost=answers[3])
+
+    def probe(self, counts: Sequence[int], prints: bool) -> None:
+        """The coordinator asks for the digests after ``counts`` (and their fingerprints when
+        ``prints``): the next :meth:`progress` answers (nothing without fingerprints)."""
+        if self._lock is None:
+            return
+        with self._lock:
+            if len(self._probes) < 8:
+                self._probes.append((list(counts[:1024]), prints))
 
     def counted(self, kind: str, call: Callable[..., Any]) -> Callable[..., Any]:
         """``call`` (a backend's collective), counted as it is entered and left."""
-        if self._recent is None:
+        if self._log is None:
             params = _SIGNATURES[kind]
             args = ", ".join(p.split("=")[0] for p in params.split(", "))
             scope: dict[str, Any] = {"tracker": self, "call": call}

@@ -25,6 +25,8 @@ import dataclasses
 import math
 from collections.abc import Hashable, Iterable, Sequence
 
+from gridcomm._coordinator.state.digests import Answers, CommunicatorDigests, Found
+
 #: Communicators tracked per generation; reports naming more are ignored (a hostile or buggy
 #: client cannot grow the coordinator's memory with names).
 MAX_COMMUNICATORS = 1024
@@ -55,6 +57,9 @@ class Entry:
     #: NCCL: collectives known complete on the GPU, and how long its pending sample has waited.
     completed: int = 0
     gpu_wait_s: float = 0.0
+    #: Debug mode: the running digest after collective ``entered`` (0: none), and answers to probes.
+    digest: int = 0
+    answers: Answers | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +140,8 @@ class CommunicatorProgress:
         #: when it waits, the count known complete). Healthy GPUs finish a sample within a
         #: heartbeat, so this holds few ranks and a check never scans them all.
         self._gpu_waiting: dict[int, tuple[float, int]] = {}
+        #: Debug mode: the digests ranks report, compared (see state.digests).
+        self.digests = CommunicatorDigests(name)
 
     def report(self, rank: int, entry: Entry, now: float) -> None:
         at = now - entry.age_s
@@ -170,6 +177,8 @@ class CommunicatorProgress:
             count = entry.entered - len(entry.recent) + 1 + offset
             if count > before:  # each count once per rank: the window repeats what was sent before
                 self._prints.setdefault(count, {}).setdefault(fingerprint, set()).add(rank)
+        if entry.digest or entry.answers is not None:
+            self.digests.report(rank, entry.entered, entry.digest, entry.answers)
         self._prune()
 
     def remove(self, rank: int) -> None:
@@ -181,6 +190,7 @@ class CommunicatorProgress:
             del self._at[old.entered]
         self._inside.discard(rank)
         self._gpu_waiting.pop(rank, None)
+        self.digests.remove(rank)
         self._prune()
 
     def _gpu_stuck(self, ranks: Iterable[int], now: float, bound_s: float, fresh_s: float) -> list[tuple[int, float, int]]:
@@ -242,8 +252,8 @@ class CommunicatorProgress:
     def hang(self, now: float, bound_s: float, fresh_s: float) -> Hang | None:
         """A hang past ``bound_s``, if any (see the module's docstring); ``fresh_s``: a rank whose
         last report is older than this is left to the liveness bound (it is silent, not stuck)."""
-        mismatch = self._mismatch()
-        if mismatch is not None:
+        mismatch = self._mismatch() or self._digest_mismatch()
+        if mismatch is not None or bound_s <= 0:
             return mismatch
         if not self._at:
             return None
@@ -315,9 +325,26 @@ class CommunicatorProgress:
             return Hang(odd_rank, reason, MISMATCH, self.name)
         return None
 
+    def _digest_mismatch(self) -> Hang | None:
+        """The first collective whose digests differ (see state.digests), once found."""
+        found = self.digests.check()
+        return None if found is None else Hang(found.odd, digest_reason(self.name, found), MISMATCH, self.name)
+
     def rows(self, now: float) -> list[tuple[int, int, str, float, bool]]:
         """(rank, entered, kind, seconds since it entered, inside) per rank, by rank."""
         return [(r, p.entered, p.kind, max(0.0, now - p.entered_at), p.inside) for r, p in sorted(self.ranks.items())]
+
+
+def digest_reason(name: str, found: Found) -> str:
+    """A mismatch found by digests, in the words of a fingerprinted one."""
+    odd_group, main_group = found.groups[-1], found.groups[0]
+    groups = (f" (ranks {_ranks_text(odd_group)} as rank {found.odd}, ranks {_ranks_text(main_group)} as rank "
+              f"{found.main})" if len(odd_group) > 1 or len(main_group) > 1 else "")
+    if found.first == found.last:
+        return (f"collective #{found.first} of communicator {name!r}: rank {found.odd} called {found.odd_print}, "
+                f"rank {found.main} called {found.main_print}{groups}")
+    return (f"collectives #{found.first} to #{found.last} of communicator {name!r}: rank {found.odd} called one of "
+            f"them differently from rank {found.main}{groups} (which one is older than the collectives ranks keep)")
 
 
 class Progress:
@@ -413,6 +440,25 @@ class Progress:
             if found is not None:
                 return found
         return None
+
+    def probing(self, rank: int) -> bool:
+        """Whether the coordinator has a digest probe for ``rank`` not yet given to it."""
+        return any(c.digests.waiting(rank) for c in self._comms_of(rank))
+
+    def probing_any(self) -> bool:
+        return any(c.digests.fresh() for c in self.communicators.values())
+
+    def probes(self, rank: int) -> list[tuple[str, tuple[int, ...], bool]]:
+        """The digest probes for ``rank`` (communicator, counts, with fingerprints), given now."""
+        out = []
+        for comm in self._comms_of(rank):
+            got = comm.digests.probes(rank)
+            if got is not None:
+                out.append((comm.name, *got))
+        return out
+
+    def _comms_of(self, rank: int) -> list[CommunicatorProgress]:
+        return [c for n in self._reported.get(rank, ()) if (c := self.communicators.get(n)) is not None]
 
     def longest_wait(self, now: float) -> float:
         return max((c.longest_wait(now) for c in self.communicators.values()), default=0.0)
