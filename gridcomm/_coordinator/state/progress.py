@@ -37,8 +37,12 @@ MAX_KIND = 64
 #: Fingerprints a report may carry per communicator, and the length of one.
 MAX_RECENT = 64
 MAX_FINGERPRINT = 256
-#: Counts whose fingerprints are kept for comparison at once, per communicator.
-MAX_PRINTED_COUNTS = 4096
+#: Counts whose fingerprints are kept for comparison at once: per communicator (only counts within
+#: this many of the slowest rank's), and in the whole job. Over either, the oldest are dropped:
+#: the fingerprints in reports only name a mismatch early, the digests (state.digests) catch
+#: every one. Worst case (every fingerprint distinct and 256 characters): about 1 KB a count.
+MAX_PRINTED_COUNTS = 256
+MAX_JOB_PRINTED_COUNTS = 16384
 
 STALL = "stall"
 MISMATCH = "mismatch"
@@ -173,9 +177,12 @@ class CommunicatorProgress:
             self._gpu_waiting[rank] = (now - entry.gpu_wait_s, entry.completed)
         else:
             self._gpu_waiting.pop(rank, None)
+        ceiling = min(self._at) + MAX_PRINTED_COUNTS
         for offset, fingerprint in enumerate(entry.recent):
             count = entry.entered - len(entry.recent) + 1 + offset
-            if count > before:  # each count once per rank: the window repeats what was sent before
+            # Each count once per rank (the window repeats what was sent before), and none too far
+            # ahead of the slowest rank (a rank far ahead cannot make the others' wait grow this).
+            if before < count <= ceiling:
                 self._prints.setdefault(count, {}).setdefault(fingerprint, set()).add(rank)
         if entry.digest or entry.answers is not None:
             self.digests.report(rank, entry.entered, entry.digest, entry.answers)
@@ -216,8 +223,14 @@ class CommunicatorProgress:
                     del table[count]
         # Fingerprints stay until the check has compared them (it forgets the counts that agree),
         # within a cap: a count that can never be compared is dropped, oldest first.
-        while len(self._prints) > MAX_PRINTED_COUNTS:
-            del self._prints[min(self._prints)]
+        self.drop_prints(MAX_PRINTED_COUNTS)
+
+    def drop_prints(self, keep: int) -> int:
+        """Drops the oldest fingerprinted counts beyond ``keep``; returns how many are held."""
+        if len(self._prints) > keep:
+            for count in sorted(self._prints)[:len(self._prints) - keep]:
+                del self._prints[count]
+        return len(self._prints)
 
     def _first_at_or_above(self, count: int) -> tuple[float, str] | None:
         """The earliest known entry of collective ``count`` (a rank now past it entered it no later
@@ -357,6 +370,8 @@ class Progress:
         self._reported: dict[int, frozenset[str]] = {}
         #: rank -> what its last report said, as :meth:`unchanged` compares it.
         self._said: dict[int, Hashable] = {}
+        #: Fingerprinted counts held over all communicators (MAX_JOB_PRINTED_COUNTS).
+        self.printed = 0
 
     def reset(self, generation: int) -> None:
         """A new generation: its communicators are new."""
@@ -364,6 +379,7 @@ class Progress:
         self.communicators.clear()
         self._reported.clear()
         self._said.clear()
+        self.printed = 0
 
     def unchanged(self, rank: int, generation: int, said: Hashable, now: float) -> bool:
         """True when ``rank``'s last report of ``generation`` said ``said`` too (every count,
@@ -411,7 +427,13 @@ class Progress:
                 if len(self.communicators) >= MAX_COMMUNICATORS:
                     continue
                 comm = self.communicators[entry.communicator] = CommunicatorProgress(entry.communicator)
+            held = len(comm._prints)
             comm.report(rank, entry, now)
+            self.printed += len(comm._prints) - held
+            if self.printed > MAX_JOB_PRINTED_COUNTS:
+                # Over the job's budget: the reporting rank's communicator gives up its oldest.
+                over = len(comm._prints)
+                self.printed -= over - comm.drop_prints(max(0, over - (self.printed - MAX_JOB_PRINTED_COUNTS)))
             names.add(entry.communicator)
         for gone in self._reported.get(rank, frozenset()) - names:
             self._drop(gone, rank)
@@ -435,11 +457,15 @@ class Progress:
             self._drop(name, rank)
 
     def hang(self, now: float, bound_s: float, fresh_s: float) -> Hang | None:
+        """A hang to name (a bound of 0: only mismatches); also recounts the fingerprints held
+        (the job's budget), since the check forgets those that agree."""
+        found = None
         for comm in self.communicators.values():
             found = comm.hang(now, bound_s, fresh_s)
             if found is not None:
-                return found
-        return None
+                break
+        self.printed = sum(len(c._prints) for c in self.communicators.values())
+        return found
 
     def probing(self, rank: int) -> bool:
         """Whether the coordinator has a digest probe for ``rank`` not yet given to it."""
