@@ -76,15 +76,19 @@ _SIGNATURES: Mapping[str, str] = {
 # Why generated: a wrapper with the collective's own parameters forwards them positionally, with
 # no *args/**kwargs packing and no clock read; on the H200 machine a generic wrapper that read
 # the clock cost 1.4 us a call (all_reduce 1.07x -> 1.24x raw NCCL), this shape a few tens of ns.
+# The two clock reads time the call (how long this rank waits inside collectives: a straggler's
+# peers wait for it, so it waits least; see state.lag).
 _WRAPPER = """
 def {kind}({params}):
     tracker.entered += 1
     tracker.kind = "{kind}"
     tracker.inside = True
+    start = clock()
     try:
         return call({args})
     finally:
         tracker.inside = False
+        tracker.inside_s += clock() - start
 """
 
 
@@ -97,7 +101,7 @@ class Tracker:
     stall's naming, never hastens it."""
 
     __slots__ = ("name", "generation", "entered", "kind", "inside", "stream", "sampler", "_log", "_lock", "_seen",
-                 "_seen_at", "_probes")
+                 "_seen_at", "_probes", "inside_s", "_entered_at")
 
     def __init__(self, name: str, generation: int, *, fingerprints: bool = False) -> None:
         self.name = name
@@ -106,6 +110,9 @@ class Tracker:
         self.entered = 0
         self.kind = ""
         self.inside = False
+        #: Seconds spent inside counted calls in all (a backend that counts itself: none).
+        self.inside_s = 0.0
+        self._entered_at = 0.0
         #: The stream object of the last collective (NCCL keeps it, and so keeps it alive, for
         #: its backend's gpu_progress; see there), or None.
         self.stream: Any = None
@@ -137,9 +144,11 @@ class Tracker:
                 self.entered = count
                 self.kind = kind
         self.inside = True
+        self._entered_at = time.monotonic()
 
     def leave(self) -> None:
         self.inside = False
+        self.inside_s += time.monotonic() - self._entered_at
 
     def progress(self) -> pb.Progress:
         """The report for the next heartbeat (read on the background loop)."""
@@ -166,7 +175,7 @@ class Tracker:
         return pb.Progress(communicator=self.name, entered=entered, kind=kind, age_s=max(0.0, now - self._seen_at),
                            inside=self.inside, recent=recent[-entered:] if entered else [], completed=completed,
                            gpu_wait_s=gpu_wait_s, digest=digest, probe_counts=answers[0], probe_digests=answers[1],
-                           probe_prints=answers[2], probe_lost=answers[3])
+                           probe_prints=answers[2], probe_lost=answers[3], inside_s=self.inside_s)
 
     def probe(self, counts: Sequence[int], prints: bool) -> None:
         """The coordinator asks for the digests after ``counts`` (and their fingerprints when
@@ -182,7 +191,7 @@ class Tracker:
         if self._log is None:
             params = _SIGNATURES[kind]
             args = ", ".join(p.split("=")[0] for p in params.split(", "))
-            scope: dict[str, Any] = {"tracker": self, "call": call}
+            scope: dict[str, Any] = {"tracker": self, "call": call, "clock": time.monotonic}
             exec(_WRAPPER.format(kind=kind, params=params, args=args), scope)  # noqa: S102 - our own template
             tracked: Callable[..., Any] = scope[kind]
         else:

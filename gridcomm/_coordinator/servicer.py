@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
@@ -277,7 +278,8 @@ class Servicer:
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {wrong}.")
             entries.append(Entry(p.communicator, p.entered, p.kind, p.age_s, p.inside, tuple(p.recent),
                                  min(p.completed, p.entered), p.gpu_wait_s, p.digest,
-                                 answers_of(p.probe_counts, p.probe_digests, p.probe_prints, p.probe_lost)))
+                                 answers_of(p.probe_counts, p.probe_digests, p.probe_prints, p.probe_lost),
+                                 p.inside_s if 0.0 <= p.inside_s < math.inf else 0.0))
         return entries
 
     # ------------------------------------------------------------------ operations
@@ -798,6 +800,8 @@ class Servicer:
             serving=self._owner.serving,
             progress=self._progress_rows(now),
             late=state.progress.late_lines(now, self._owner.heartbeat_timeout_s) + unlisted,
+            stragglers=[pb.StragglerStatus(rank=s.rank, lag_s=s.lag_s, communicator=s.communicator)
+                        for s in state.progress.lag.stragglers()],
         )
 
     def _barrier_rows(self, now: float) -> tuple[list[pb.BarrierStatus], list[str]]:

@@ -26,6 +26,7 @@ import math
 from collections.abc import Hashable, Iterable, Sequence
 
 from gridcomm._coordinator.state.digests import Answers, CommunicatorDigests, Found
+from gridcomm._coordinator.state.lag import EntryLag
 
 #: Communicators tracked per generation; reports naming more are ignored (a hostile or buggy
 #: client cannot grow the coordinator's memory with names).
@@ -64,6 +65,8 @@ class Entry:
     #: Debug mode: the running digest after collective ``entered`` (0: none), and answers to probes.
     digest: int = 0
     answers: Answers | None = None
+    #: Seconds the rank's calls spent inside counted collectives in all (state.lag).
+    inside_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,6 +375,8 @@ class Progress:
         self._said: dict[int, Hashable] = {}
         #: Fingerprinted counts held over all communicators (MAX_JOB_PRINTED_COUNTS).
         self.printed = 0
+        #: How late each rank enters collectives (stragglers).
+        self.lag = EntryLag()
 
     def reset(self, generation: int) -> None:
         """A new generation: its communicators are new."""
@@ -380,6 +385,7 @@ class Progress:
         self._reported.clear()
         self._said.clear()
         self.printed = 0
+        self.lag.reset()
 
     def unchanged(self, rank: int, generation: int, said: Hashable, now: float) -> bool:
         """True when ``rank``'s last report of ``generation`` said ``said`` too (every count,
@@ -429,6 +435,8 @@ class Progress:
                 comm = self.communicators[entry.communicator] = CommunicatorProgress(entry.communicator)
             held = len(comm._prints)
             comm.report(rank, entry, now)
+            if entry.inside_s > 0:
+                self.lag.report(entry.communicator, rank, entry.entered, entry.inside_s)
             self.printed += len(comm._prints) - held
             if self.printed > MAX_JOB_PRINTED_COUNTS:
                 # Over the job's budget: the reporting rank's communicator gives up its oldest.
@@ -453,6 +461,7 @@ class Progress:
     def remove(self, rank: int) -> None:
         """``rank`` left or failed: it is waited for no longer."""
         self._said.pop(rank, None)
+        self.lag.remove(rank)
         for name in self._reported.pop(rank, frozenset()):
             self._drop(name, rank)
 
