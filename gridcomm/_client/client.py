@@ -471,6 +471,10 @@ class CoordinatorClient:
         """Carries ``tracker``'s progress on every heartbeat from now on (a communicator's)."""
         self._trackers = [*self._trackers, tracker]
 
+    def trackers(self) -> list[Tracker]:
+        """The communicators' progress counters (and flight records) this client carries."""
+        return list(self._trackers)
+
     def untrack(self, tracker: Tracker) -> None:
         self._trackers = [t for t in self._trackers if t is not tracker]
 

@@ -12,12 +12,14 @@ into the communicator's running digest (see gridcomm._client.digest).
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gridcomm._client.digest import DigestLog
+from gridcomm._client.flight import describe
 from gridcomm._proto import coordinator_pb2 as pb
 
 #: Fingerprints kept per communicator (the coordinator's limit per report).
@@ -78,18 +80,23 @@ _SIGNATURES: Mapping[str, str] = {
 # the clock cost 1.4 us a call (all_reduce 1.07x -> 1.24x raw NCCL), this shape a few tens of ns.
 # The two clock reads time the call (how long this rank waits inside collectives: a straggler's
 # peers wait for it, so it waits least; see state.lag).
+# The flight record's line (when on) appends what the call asked, never the data or an array.
 _WRAPPER = """
 def {kind}({params}):
     tracker.entered += 1
     tracker.kind = "{kind}"
     tracker.inside = True
-    start = clock()
+    tracker.started = start = clock()
     try:
         return call({args})
     finally:
         tracker.inside = False
-        tracker.inside_s += clock() - start
+        end = clock()
+        tracker.inside_s += end - start
+        {record}
 """
+_RECORD = 'append((tracker.entered, "{kind}", ({params}), describe({array}), start, end))'
+
 
 
 class Tracker:
@@ -101,9 +108,9 @@ class Tracker:
     stall's naming, never hastens it."""
 
     __slots__ = ("name", "generation", "entered", "kind", "inside", "stream", "sampler", "_log", "_lock", "_seen",
-                 "_seen_at", "_probes", "inside_s", "_entered_at")
+                 "_seen_at", "_probes", "inside_s", "started", "record", "_print")
 
-    def __init__(self, name: str, generation: int, *, fingerprints: bool = False) -> None:
+    def __init__(self, name: str, generation: int, *, fingerprints: bool = False, record: int = 0) -> None:
         self.name = name
         #: The wire's generation the communicator belongs to (its client's at construction).
         self.generation = generation
@@ -112,7 +119,11 @@ class Tracker:
         self.inside = False
         #: Seconds spent inside counted calls in all (a backend that counts itself: none).
         self.inside_s = 0.0
-        self._entered_at = 0.0
+        #: When the last counted call was entered (monotonic; 0: none, or a backend counting itself).
+        self.started = 0.0
+        #: The flight record (gridcomm._client.flight): the last ``record`` calls, or None.
+        self.record: collections.deque[tuple[Any, ...]] | None = collections.deque(maxlen=record) if record else None
+        self._print: str = ""
         #: The stream object of the last collective (NCCL keeps it, and so keeps it alive, for
         #: its backend's gpu_progress; see there), or None.
         self.stream: Any = None
@@ -143,12 +154,16 @@ class Tracker:
                 self._log.add(count, print_ or f"{kind}()")
                 self.entered = count
                 self.kind = kind
+        self._print = print_ or f"{kind}()"
         self.inside = True
-        self._entered_at = time.monotonic()
+        self.started = time.monotonic()
 
     def leave(self) -> None:
         self.inside = False
-        self.inside_s += time.monotonic() - self._entered_at
+        end = time.monotonic()
+        self.inside_s += end - self.started
+        if self.record is not None:
+            self.record.append((self.entered, self.kind, self._print, None, self.started, end))
 
     def progress(self) -> pb.Progress:
         """The report for the next heartbeat (read on the background loop)."""
@@ -171,8 +186,12 @@ class Tracker:
         now = time.monotonic()
         if entered != self._seen:
             self._seen, self._seen_at = entered, now
+        # Why the call's own entry time when it is still in it: the coordinator then knows how
+        # long its peers really waited (a sample's date is up to one heartbeat late).
+        started = self.started
+        age_s = now - started if self.inside and started and started <= now else now - self._seen_at
         completed, gpu_wait_s = self.sampler() if self.sampler is not None else (0, 0.0)
-        return pb.Progress(communicator=self.name, entered=entered, kind=kind, age_s=max(0.0, now - self._seen_at),
+        return pb.Progress(communicator=self.name, entered=entered, kind=kind, age_s=max(0.0, age_s),
                            inside=self.inside, recent=recent[-entered:] if entered else [], completed=completed,
                            gpu_wait_s=gpu_wait_s, digest=digest, probe_counts=answers[0], probe_digests=answers[1],
                            probe_prints=answers[2], probe_lost=answers[3], inside_s=self.inside_s)
@@ -191,8 +210,14 @@ class Tracker:
         if self._log is None:
             params = _SIGNATURES[kind]
             args = ", ".join(p.split("=")[0] for p in params.split(", "))
-            scope: dict[str, Any] = {"tracker": self, "call": call, "clock": time.monotonic}
-            exec(_WRAPPER.format(kind=kind, params=params, args=args), scope)  # noqa: S102 - our own template
+            scope: dict[str, Any] = {"tracker": self, "call": call, "clock": time.monotonic, "describe": describe}
+            record = ""
+            if self.record is not None:
+                scope["append"] = self.record.append
+                names = [n for n in COUNTED[kind] if not n.endswith("_array")]
+                record = _RECORD.format(kind=kind, params="".join(f"{n}, " for n in names),
+                                        array=_SAME_ON_ALL.get(kind, "in_array"))
+            exec(_WRAPPER.format(kind=kind, params=params, args=args, record=record), scope)  # noqa: S102 - ours
             tracked: Callable[..., Any] = scope[kind]
         else:
             enter, leave = self.enter, self.leave
