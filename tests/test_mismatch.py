@@ -57,13 +57,16 @@ def _outcome(stdout: str) -> dict:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize(("steps", "pace_s"), [(10_000, 0.0), (600, 0.05)], ids=["unpaced", "paced"])
-def test_a_mismatch_at_step_5_is_named_on_every_rank(coordinator_factory, steps, pace_s):
+@pytest.mark.parametrize(("steps", "pace_s", "relay"), [(10_000, 0.0, False), (600, 0.05, False), (10_000, 0.0, True)],
+                         ids=["unpaced", "paced", "unpaced-through-relays"])
+def test_a_mismatch_at_step_5_is_named_on_every_rank(coordinator_factory, steps, pace_s, relay):
     # The stall bound is long: the mismatch, not a stall, must name it.
     server = coordinator_factory(WORLD, heartbeat_timeout_s=HB, stall_timeout_s=100)
     env = {"GRIDCOMM_COORDINATOR": "external", "GRIDCOMM_HOST": "127.0.0.1", "GRIDCOMM_PORT": str(server.port),
            "GRIDCOMM_HEARTBEAT_TIMEOUT_S": f"{HB:g}", "GRIDCOMM_DEBUG": "collectives", "STEPS": str(steps),
            "PACE_S": str(pace_s)}
+    if relay:  # probes go down and answers up through the relay tree
+        env.update(GRIDCOMM_RELAY="on", GRIDCOMM_RELAY_FANIN="2")
     results = RankProcesses(CODE, WORLD, env=env).wait(140)
     everything = report(results)
     for rank in range(WORLD):
@@ -76,5 +79,5 @@ def test_a_mismatch_at_step_5_is_named_on_every_rank(coordinator_factory, steps,
         # Two heartbeat intervals (HB / 3 each) after the first report past the mismatch, with a
         # loaded machine's slack; the loop's own time is not the detector's.
         assert outcome["after"] < 2 * HB + 5, everything
-    print(f"\n{'unpaced' if not pace_s else 'paced'}: named after "
+    print(f"\n{'unpaced' if not pace_s else 'paced'}{' through relays' if relay else ''}: named after "
           f"{max(_outcome(results[r].stdout)['after'] for r in range(WORLD)):.1f} s")
