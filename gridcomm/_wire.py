@@ -96,18 +96,18 @@ def decoder(message_type: Any) -> Callable[[bytes], Any]:
     return parse
 
 
-def progress_said(progress: Iterable[Any]) -> tuple[tuple[str, int, str, bool, int], ...] | None:
+def progress_said(progress: Iterable[Any]) -> tuple[tuple[str, int, str, bool, int, int, float], ...] | None:
     """What a heartbeat's progress entries say, in a form compared with the rank's last report:
     every count, kind and flag, not the ages (which only grow). None when an entry carries what
-    only a full report handles: fingerprints, a pending GPU sample, or an age that is not a
+    only a full report handles: fingerprints or answers to a digest probe, a pending GPU sample, or an age that is not a
     finite number >= 0. The coordinator compares it to refresh a repeated report; a relay, to
     leave out the entries it already reported."""
     said = []
     for p in progress:
         age = p.age_s
-        if p.recent or p.gpu_wait_s != 0.0 or not 0.0 <= age < math.inf:
+        if p.recent or p.probe_counts or p.probe_lost or p.gpu_wait_s != 0.0 or not 0.0 <= age < math.inf:
             return None
-        said.append((p.communicator, p.entered, p.kind, p.inside, p.completed))
+        said.append((p.communicator, p.entered, p.kind, p.inside, p.completed, p.digest, p.inside_s))
     return tuple(said)
 
 

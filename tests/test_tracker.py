@@ -46,13 +46,16 @@ def test_an_error_in_the_call_still_leaves_it():
 
 
 def test_entries_are_dated_by_the_sample_that_first_sees_them():
+    # A call that returned is dated by the sample (one the rank is still in, by its entry: see
+    # tests/test_trace.py).
     tracker = Tracker("world", 1)
     first = tracker.progress()
     assert first.entered == 0
     tracker.enter("barrier")
+    tracker.leave()
     time.sleep(0.05)
     seen = tracker.progress()
-    assert seen.entered == 1 and seen.age_s < 0.02 and seen.inside and seen.kind == "barrier"
+    assert seen.entered == 1 and seen.age_s < 0.02 and not seen.inside and seen.kind == "barrier"
     time.sleep(0.05)
     later = tracker.progress()
     assert later.age_s >= 0.05 and later.entered == 1

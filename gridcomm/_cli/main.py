@@ -60,6 +60,8 @@ def _build_parser() -> argparse.ArgumentParser:
     status.add_argument("--interval-s", type=float, default=2.0, help="--watch: seconds between frames (default 2)")
     status.add_argument("--count", type=int, default=None, help="--watch: stop after this many frames")
 
+    trace = sub.add_parser("trace", help="merge the flight records ranks wrote to GRIDCOMM_TRACE_DIR")
+    trace.add_argument("directory", help="the GRIDCOMM_TRACE_DIR the ranks wrote to")
     launch = sub.add_parser("launch", help="start N local ranks (like torchrun); a failing rank stops the rest, or is restarted (--max-restarts)")
     launch.add_argument("--nproc", type=int, required=True, help="number of local ranks")
     launch.add_argument("--backend", default=None, help="auto, nccl or host (default: GRIDCOMM_BACKEND or auto)")
@@ -197,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return code
         if args.command == "status":
             return _status(args)
+        if args.command == "trace":
+            from gridcomm._cli import trace as _trace
+
+            return _trace.show(args.directory, sys.stdout)
         if args.command == "launch":
             from gridcomm._cli.launch import launch
 

@@ -55,6 +55,11 @@ def _last(progress: pb.Progress) -> str:
             f"{' (in it)' if progress.inside else ''}")
 
 
+def _straggler(s: pb.StragglerStatus) -> str:
+    return (f"rank {s.rank} enters collectives {s.lag_s * 1000:.0f} ms after the first rank, on average "
+            f"(communicator {s.communicator!r}; slows every rank, not a failure)")
+
+
 def render(reply: pb.StatusResponse, refusals: Sequence[RefusedJoin] = ()) -> list[str]:
     """The plain report: one line per rank (up to 256) with its last collective, who is late,
     then barriers, failures, refused joins."""
@@ -70,6 +75,7 @@ def render(reply: pb.StatusResponse, refusals: Sequence[RefusedJoin] = ()) -> li
         lines.append(f"  ... {len(reply.members) - 256} more")
     for line in reply.late:
         lines.append(f"LATE {line}")
+    lines.extend(f"STRAGGLER {_straggler(s)}" for s in reply.stragglers)
     for b in reply.barriers:
         lines.append(f"barrier {b.name!r} #{b.seq}: {len(b.arrived_ranks)} arrived, waiting {b.waiting_s:.1f} s for "
                      f"{list(b.missing_ranks)[:32]}")
@@ -113,6 +119,9 @@ def render_live(reply: pb.StatusResponse, refusals: Sequence[RefusedJoin], max_l
     if reply.late:
         lines.append(f"late in collectives: {len(reply.late)}")
         lines.extend(f"  {line[:200]}" for line in reply.late[:6])
+    if reply.stragglers:
+        lines.append(f"stragglers: {len(reply.stragglers)}")
+        lines.extend(f"  {_straggler(s)}" for s in reply.stragglers[:6])
     barriers = sorted(reply.barriers, key=lambda b: -b.waiting_s)
     lines.append(f"pending barriers: {len(barriers)}")
     for b in barriers[:10]:

@@ -19,7 +19,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -502,6 +502,10 @@ class CoordinatorClient:
         """Carries ``tracker``'s progress on every heartbeat from now on (a communicator's)."""
         self._trackers = [*self._trackers, tracker]
 
+    def trackers(self) -> list[Tracker]:
+        """The communicators' progress counters (and flight records) this client carries."""
+        return list(self._trackers)
+
     def untrack(self, tracker: Tracker) -> None:
         self._trackers = [t for t in self._trackers if t is not tracker]
 
@@ -509,6 +513,15 @@ class CoordinatorClient:
         """What the next heartbeat says of this rank's progress (this generation's communicators)."""
         generation = self._generation
         return [t.progress() for t in self._trackers if t.generation == generation][:64]
+
+    def probed(self, probes: Iterable[pb.DigestProbe]) -> None:
+        """The coordinator asks for digests (GRIDCOMM_DEBUG=collectives): the next heartbeat answers."""
+        generation = self._generation
+        by_name = {t.name: t for t in self._trackers if t.generation == generation}
+        for probe in probes:
+            tracker = by_name.get(probe.communicator)
+            if tracker is not None:
+                tracker.probe(probe.counts, probe.prints)
 
     def on_failure(self, handler: Callable[[GridcommError], None] | None) -> None:
         """Sets who hears of this generation's first failure (from the watcher's thread); called

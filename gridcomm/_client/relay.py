@@ -184,6 +184,8 @@ class Relay:
         self._progress_up: dict[int, tuple[int, Hashable]] = {}
         #: Progress entries sent up in full, and ranks whose progress went up as the same.
         self.progress_sent = 0
+        #: rank -> the coordinator's digest probes for it, given with its next heartbeat's answer.
+        self._probes_down: dict[int, list[pb.DigestProbe]] = {}
         self.progress_same = 0
         self._beat_waiters: set[asyncio.Future[None]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -423,12 +425,26 @@ class Relay:
                     pass
                 finally:
                     self._beat_waiters.discard(fut)
+            probes = self._probes_down.pop(request.caller.rank, None)
+            if probes:  # digest probes for this rank (GRIDCOMM_DEBUG=collectives)
+                beat = pb.HeartbeatResponse()
+                beat.CopyFrom(self._latest)
+                beat.digest_probes.extend(probes)
+                child.answer(pb.SessionResult(id=op.id, heartbeat=beat))
+                return
             child.answer(pb.SessionResult(id=op.id, heartbeat=self._latest))
 
         # Why kept: the loop holds tasks weakly.
         task = asyncio.ensure_future(answer())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _wake_beats(self) -> None:
+        """Answers the ranks' held heartbeats now."""
+        waiters, self._beat_waiters = self._beat_waiters, set()
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
     # ------------------------------------------------------------------ upstream
     def _hold_ended(self) -> None:
@@ -546,6 +562,7 @@ class Relay:
                 self._beats.pop(rank, None)
                 self._progress.pop(rank, None)
                 self._progress_up.pop(rank, None)
+                self._probes_down.pop(rank, None)
                 noted = self._ranks.get(rank)
                 if noted is not None and noted[0] is child:
                     del self._ranks[rank]
@@ -651,7 +668,13 @@ class Relay:
             if result.heartbeat.progress_resend:
                 for rank in result.heartbeat.progress_resend:
                     self._progress_up.pop(rank, None)
+                    self._probes_down.pop(rank, None)
                 result.heartbeat.ClearField("progress_resend")  # the ranks' answers carry the rest
+            if result.heartbeat.digest_probes:
+                for probe in result.heartbeat.digest_probes:
+                    self._probes_down.setdefault(probe.rank, []).append(probe)
+                result.heartbeat.ClearField("digest_probes")
+                self._wake_beats()
             self._latest = result.heartbeat
             if result.heartbeat.failures:
                 waiters, self._beat_waiters = self._beat_waiters, set()

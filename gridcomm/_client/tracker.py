@@ -6,7 +6,8 @@ send/recv are left out (pairs make them, so ranks' counts of them differ in a he
 The count, the last kind and whether the call is still in it are read by the watcher on the
 background loop for each heartbeat (see ``gridcomm._coordinator.state.progress`` for what the
 coordinator makes of them). The main thread's cost per call is three attribute stores; with
-``GRIDCOMM_DEBUG=collectives`` also a lock and a fingerprint of the call's arguments.
+``GRIDCOMM_DEBUG=collectives`` also a lock, a fingerprint of the call's arguments and its fold
+into the communicator's running digest (see gridcomm._client.digest).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from gridcomm._client.digest import DigestLog
+from gridcomm._client.flight import describe
 from gridcomm._proto import coordinator_pb2 as pb
 
 #: Fingerprints kept per communicator (the coordinator's limit per report).
@@ -73,18 +76,26 @@ _SIGNATURES: Mapping[str, str] = {
     "all_to_all": "in_array, out_array, stream=None",
 }
 # Why generated: a wrapper with the collective's own parameters forwards them positionally, with
-# no *args/**kwargs packing and no clock read: a generic wrapper that reads the clock costs
-# about a microsecond a call, a sizeable share of a small NCCL collective; this shape tens of ns.
+# no *args/**kwargs packing: a generic wrapper costs about a microsecond a call, a sizeable share
+# of a small NCCL collective; this shape tens of ns. Its two clock reads time the call (how long this rank waits inside collectives: a straggler's
+# peers wait for it, so it waits least; see state.lag).
+# The flight record's line (when on) appends what the call asked, never the data or an array.
 _WRAPPER = """
 def {kind}({params}):
     tracker.entered += 1
     tracker.kind = "{kind}"
     tracker.inside = True
+    tracker.started = start = clock()
     try:
         return call({args})
     finally:
         tracker.inside = False
+        end = clock()
+        tracker.inside_s += end - start
+        {record}
 """
+_RECORD = 'append((tracker.entered, "{kind}", ({params}), describe({array}), start, end))'
+
 
 
 class Tracker:
@@ -95,22 +106,32 @@ class Tracker:
     at a sample is dated then, at most one heartbeat period late, which only ever delays a
     stall's naming, never hastens it."""
 
-    __slots__ = ("name", "generation", "entered", "kind", "inside", "stream", "sampler", "_recent", "_lock", "_seen",
-                 "_seen_at")
+    __slots__ = ("name", "generation", "entered", "kind", "inside", "stream", "sampler", "_log", "_lock", "_seen",
+                 "_seen_at", "_probes", "inside_s", "started", "record", "_print")
 
-    def __init__(self, name: str, generation: int, *, fingerprints: bool = False) -> None:
+    def __init__(self, name: str, generation: int, *, fingerprints: bool = False, record: int = 0) -> None:
         self.name = name
         #: The wire's generation the communicator belongs to (its client's at construction).
         self.generation = generation
         self.entered = 0
         self.kind = ""
         self.inside = False
+        #: Seconds spent inside counted calls in all (a backend that counts itself: none).
+        self.inside_s = 0.0
+        #: When the last counted call was entered (monotonic; 0: none, or a backend counting itself).
+        self.started = 0.0
+        #: The flight record (gridcomm._client.flight): the last ``record`` calls, or None.
+        self.record: collections.deque[tuple[Any, ...]] | None = collections.deque(maxlen=record) if record else None
+        self._print: str = ""
         #: The stream object of the last collective (NCCL keeps it, and so keeps it alive, for
         #: its backend's gpu_progress; see there), or None.
         self.stream: Any = None
         #: NCCL: () -> (collectives known complete on the GPU, seconds its pending sample waited).
         self.sampler: Callable[[], tuple[int, float]] | None = None
-        self._recent: collections.deque[str] | None = collections.deque(maxlen=RECENT) if fingerprints else None
+        #: Only with fingerprints: the running digest and the last collectives' fingerprints.
+        self._log = DigestLog() if fingerprints else None
+        #: The coordinator's DigestProbes not yet answered: (counts, with fingerprints).
+        self._probes: list[tuple[list[int], bool]] = []
         #: Only with fingerprints: the window and the count must be read together.
         self._lock = threading.Lock() if fingerprints else None
         #: The count at the last sample, and when it was first seen.
@@ -119,48 +140,83 @@ class Tracker:
 
     @property
     def fingerprints(self) -> bool:
-        return self._recent is not None
+        return self._log is not None
 
     def enter(self, kind: str, print_: str | None = None) -> None:
         if self._lock is None:
             self.entered += 1
             self.kind = kind
         else:
-            assert self._recent is not None
+            assert self._log is not None
             with self._lock:
-                self._recent.append(print_ or f"{kind}()")
-                self.entered += 1
+                count = self.entered + 1
+                self._log.add(count, print_ or f"{kind}()")
+                self.entered = count
                 self.kind = kind
+        self._print = print_ or f"{kind}()"
         self.inside = True
+        self.started = time.monotonic()
 
     def leave(self) -> None:
         self.inside = False
+        end = time.monotonic()
+        self.inside_s += end - self.started
+        if self.record is not None:
+            self.record.append((self.entered, self.kind, self._print, None, self.started, end))
 
     def progress(self) -> pb.Progress:
         """The report for the next heartbeat (read on the background loop)."""
         recent: list[str] = []
+        digest = 0
+        answers: tuple[list[int], list[int], list[str], list[int]] = ([], [], [], [])
         if self._lock is None:
             entered, kind = self.entered, self.kind
         else:
-            assert self._recent is not None
+            log = self._log
+            assert log is not None
             with self._lock:
-                entered, kind = self.entered, self.kind
-                recent = list(self._recent)
+                entered, kind, digest = self.entered, self.kind, log.digest
+                recent = log.recent(entered, RECENT)
+                probes, self._probes = self._probes, []
+                if probes:
+                    # Fingerprints for all or none (the answer's lists are parallel).
+                    prints = any(p for _, p in probes)
+                    answers = log.answer([c for counts, _ in probes for c in counts], prints, entered)
         now = time.monotonic()
         if entered != self._seen:
             self._seen, self._seen_at = entered, now
+        # Why the call's own entry time when it is still in it: the coordinator then knows how
+        # long its peers really waited (a sample's date is up to one heartbeat late).
+        started = self.started
+        age_s = now - started if self.inside and started and started <= now else now - self._seen_at
         completed, gpu_wait_s = self.sampler() if self.sampler is not None else (0, 0.0)
-        return pb.Progress(communicator=self.name, entered=entered, kind=kind, age_s=max(0.0, now - self._seen_at),
+        return pb.Progress(communicator=self.name, entered=entered, kind=kind, age_s=max(0.0, age_s),
                            inside=self.inside, recent=recent[-entered:] if entered else [], completed=completed,
-                           gpu_wait_s=gpu_wait_s)
+                           gpu_wait_s=gpu_wait_s, digest=digest, probe_counts=answers[0], probe_digests=answers[1],
+                           probe_prints=answers[2], probe_lost=answers[3], inside_s=self.inside_s)
+
+    def probe(self, counts: Sequence[int], prints: bool) -> None:
+        """The coordinator asks for the digests after ``counts`` (and their fingerprints when
+        ``prints``): the next :meth:`progress` answers (nothing without fingerprints)."""
+        if self._lock is None:
+            return
+        with self._lock:
+            if len(self._probes) < 8:
+                self._probes.append((list(counts[:1024]), prints))
 
     def counted(self, kind: str, call: Callable[..., Any]) -> Callable[..., Any]:
         """``call`` (a backend's collective), counted as it is entered and left."""
-        if self._recent is None:
+        if self._log is None:
             params = _SIGNATURES[kind]
             args = ", ".join(p.split("=")[0] for p in params.split(", "))
-            scope: dict[str, Any] = {"tracker": self, "call": call}
-            exec(_WRAPPER.format(kind=kind, params=params, args=args), scope)  # noqa: S102 - our own template
+            scope: dict[str, Any] = {"tracker": self, "call": call, "clock": time.monotonic, "describe": describe}
+            record = ""
+            if self.record is not None:
+                scope["append"] = self.record.append
+                names = [n for n in COUNTED[kind] if not n.endswith("_array")]
+                record = _RECORD.format(kind=kind, params="".join(f"{n}, " for n in names),
+                                        array=_SAME_ON_ALL.get(kind, "in_array"))
+            exec(_WRAPPER.format(kind=kind, params=params, args=args, record=record), scope)  # noqa: S102 - ours
             tracked: Callable[..., Any] = scope[kind]
         else:
             enter, leave = self.enter, self.leave

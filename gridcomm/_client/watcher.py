@@ -26,6 +26,7 @@ import concurrent.futures
 import logging
 import random
 import time
+from collections.abc import Iterable
 from typing import Protocol
 
 import grpc
@@ -160,6 +161,10 @@ class Watched(Protocol):
 
     def progress(self) -> list[pb.Progress]:
         """The rank's progress in its communicators, for the next heartbeat."""
+        ...
+
+    def probed(self, probes: Iterable[pb.DigestProbe]) -> None:
+        """The coordinator asks for digests; the next heartbeat's progress answers."""
         ...
 
 
@@ -299,6 +304,8 @@ class Watcher:
                         continue
                 last_ok, lag_ok = time.monotonic(), _lag_s()
                 backoff = 0.05
+                if reply.digest_probes:
+                    client.probed(reply.digest_probes)
                 if not reply.failures:
                     continue
                 self._report(failure_error(reply.failures[0], client.rank), reply.generation or generation)

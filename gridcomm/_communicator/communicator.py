@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from gridcomm._backends.base import Backend, Hooks
 from gridcomm._backends.host.plane import PlaneConfig
+from gridcomm._client import flight
 from gridcomm._client.client import SHORT_CALL_S, CoordinatorClient
 from gridcomm._client.tracker import COUNTED, Tracker
 from gridcomm._config.settings import NcclSettings
@@ -108,7 +109,8 @@ class Communicator:
 
     def __init__(self, make_backend: Callable[[Hooks], Any], client: CoordinatorClient, *, name: str = "world",
                  members: Sequence[int] | None = None, parent: Communicator | None = None,
-                 job: Job | None = None, fingerprints: bool | None = None) -> None:
+                 job: Job | None = None, fingerprints: bool | None = None, record: int | None = None,
+                 trace_dir: str | None = None) -> None:
         self._client = client
         self._parent = parent
         self.name = name
@@ -142,7 +144,12 @@ class Communicator:
         # Fingerprints (GRIDCOMM_DEBUG=collectives, resolved with the job): as asked, else as the parent's.
         if fingerprints is None:
             fingerprints = parent is not None and parent._tracker.fingerprints
-        self._tracker: Tracker = Tracker(name, client.generation, fingerprints=fingerprints)
+        # The flight record's length (GRIDCOMM_FLIGHT_RECORD, resolved with the job): as asked, else
+        # as the parent's.
+        if record is None:
+            kept = parent._tracker.record if parent is not None else None
+            record = kept.maxlen or 0 if kept is not None else 0
+        self._tracker: Tracker = Tracker(name, client.generation, fingerprints=fingerprints, record=record)
         counts_itself = getattr(backend, "counts_itself", False) and not self._tracker.fingerprints
         if counts_itself:
             backend.progress = self._tracker
@@ -154,6 +161,10 @@ class Communicator:
             setattr(self, method, self._tracker.counted(method, call) if counted else call)
         client.track(self._tracker)
         self._set_ready(True)
+        #: GRIDCOMM_TRACE_DIR (a root's): where this rank's flight record goes at a failure.
+        self._trace_dir = trace_dir if parent is None else None
+        if self._trace_dir:
+            flight.on_sigterm(self._write_trace)
         if parent is None:
             # Hears of this generation's first failure (at once if it came before this was made).
             client.on_failure(self._on_failure)
@@ -172,6 +183,7 @@ class Communicator:
         if root._closed is not None:
             return
         log.error("rank %d: %s; aborting the communicator", root.rank, error)
+        root._write_trace(str(error))  # before closing: that lets go of the trackers
         root._close(error)
         root._abort_backends(error)
         # Readiness only: liveness stays SERVING while this process answers, so kubelet does not
@@ -179,6 +191,14 @@ class Communicator:
         root._set_ready(False)
         if isinstance(error, RankStalled) and error.rank == self._client.rank:
             root._stalled(error)
+
+    def _write_trace(self, reason: str) -> None:
+        """This rank's flight record of every communicator into GRIDCOMM_TRACE_DIR (if set)."""
+        if not self._trace_dir:
+            return
+        client = self._client
+        flight.write(self._trace_dir, client.rank, shown_generation(client.generation), reason,
+                     [flight.tracker_record(t) for t in client.trackers()])
 
     def _stalled(self, error: RankStalled) -> None:
         """This rank is the one the others waited for: show where it hangs and have it restarted.
@@ -466,6 +486,7 @@ class Communicator:
             return
         if root._closed is None:
             error = CommAborted(f"rank {root.rank} aborted: {reason}")
+            root._write_trace(str(error))
             root._close(error)
             root._abort_backends(error)
         root._finalize(report=reason)

@@ -186,7 +186,8 @@ class Job:
                                  timeout_s=timeout_s, nccl=self.settings.nccl)
 
         return Communicator(make, client, members=members, job=self,
-                            fingerprints="collectives" in self.settings.debug)
+                            fingerprints="collectives" in self.settings.debug,
+                            record=self.settings.flight_record, trace_dir=self.settings.trace_dir)
 
     @property
     def grace_s(self) -> float:

@@ -34,6 +34,7 @@ from gridcomm._config.readers import (
     data_host,
     debug_flags,
     demo_iters,
+    flight_record,
     format_relay_address,
     format_target,
     health_port,
@@ -60,6 +61,7 @@ from gridcomm._config.readers import (
     timeout_s,
     tls,
     token,
+    trace_dir,
     validate_host,
     validate_token,
     world_size,
@@ -74,5 +76,5 @@ __all__ = [
     "health_port", "heartbeat_timeout_s", "job_id", "launch_backend", "launch_port", "local_rank", "metrics_port", "nccl_engine",
     "parse_duration", "parse_int", "parse_target", "process_environ", "rank", "ranks_per_root", "session_mode", "relay_address", "relay_addresses", "format_relay_address", "DEFAULT_RELAY_PORT", "relay_mode", "RELAY_MODES", "relay_fanin", "auto_relay_fanin", "RELAY_AUTO_WORLD",
     "DEFAULT_RELAY_FANIN",
-    "shared_memory", "stall_timeout_s", "debug_flags", "DEFAULT_STALL_TIMEOUT_S", "timeout_s", "tls", "token", "validate_host", "validate_token", "world_size",
+    "shared_memory", "stall_timeout_s", "debug_flags", "flight_record", "trace_dir", "DEFAULT_STALL_TIMEOUT_S", "timeout_s", "tls", "token", "validate_host", "validate_token", "world_size",
 ]

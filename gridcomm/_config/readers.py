@@ -250,6 +250,32 @@ def debug_flags(environ: Mapping[str, str] | None = None) -> frozenset[str]:
     return flags
 
 
+#: Collectives each communicator's flight record keeps by default (GRIDCOMM_FLIGHT_RECORD).
+DEFAULT_FLIGHT_RECORD = 256
+MAX_FLIGHT_RECORD = 1 << 20
+
+
+def flight_record(environ: Mapping[str, str] | None = None) -> int:
+    """GRIDCOMM_FLIGHT_RECORD: collectives each communicator's flight record keeps (0: none)."""
+    found = _first(_env(environ), ("GRIDCOMM_FLIGHT_RECORD",))
+    if found is None:
+        return DEFAULT_FLIGHT_RECORD
+    try:
+        value = int(found[1])
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_FLIGHT_RECORD:
+        raise ConfigError(f"GRIDCOMM_FLIGHT_RECORD={found[1]!r} must be an integer from 0 (off) to "
+                          f"{MAX_FLIGHT_RECORD}.")
+    return value
+
+
+def trace_dir(environ: Mapping[str, str] | None = None) -> str | None:
+    """GRIDCOMM_TRACE_DIR: where each rank writes its flight record at a failure (None: nowhere)."""
+    found = _first(_env(environ), ("GRIDCOMM_TRACE_DIR",))
+    return None if found is None else found[1]
+
+
 #: The token :func:`withhold_token` took out of this process's environment.
 _taken_token: str | None = None
 

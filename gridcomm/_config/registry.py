@@ -53,6 +53,12 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("GRIDCOMM_DEBUG", "`collectives`", "none",
              "`collectives`: every rank fingerprints each collective (kind, op, count x dtype, root) and the "
              "coordinator names the first one ranks called differently"),
+    Variable("GRIDCOMM_FLIGHT_RECORD", "int >= 0, `0` off", "256",
+             "collectives each communicator's flight record keeps (number, kind, op, count x dtype, root, entered and "
+             "returned times)"),
+    Variable("GRIDCOMM_TRACE_DIR", "path", "none",
+             "each rank writes its flight record there (`rank-N.json`) at a failure, `abort()` or SIGTERM; "
+             "`gridcomm trace DIR` merges them"),
     Variable("GRIDCOMM_JOB_ID", "string", "`default`", "the job's name; a rank of another job is refused",
              "`job_id=`"),
     Variable("GRIDCOMM_BACKEND", "`auto`, `nccl`, `host`", "`nccl`", "the communicator backend", "`backend=`"),

@@ -178,6 +178,10 @@ class Settings:
     debug: frozenset[str] = frozenset()
     #: GRIDCOMM_HEALTH_PORT: this rank's health port (None: none, unless one was started already).
     health_port: int | None = None
+    #: GRIDCOMM_FLIGHT_RECORD: collectives each communicator's flight record keeps (0: none).
+    flight_record: int = readers.DEFAULT_FLIGHT_RECORD
+    #: GRIDCOMM_TRACE_DIR: where this rank writes its flight record at a failure (None: nowhere).
+    trace_dir: str | None = None
 
     @property
     def rank(self) -> int:
@@ -230,7 +234,8 @@ class Settings:
                        plane=PlaneSettings(data_host=readers.data_host(env), shm=readers.shared_memory(env)),
                        nccl=NcclSettings.resolve(env), source="arguments" if info is None else info.source,
                        coordinator=coordinator, debug=readers.debug_flags(env),
-                       health_port=readers.health_port(None, env))
+                       health_port=readers.health_port(None, env), flight_record=readers.flight_record(env),
+                       trace_dir=readers.trace_dir(env))
         # Last, once every setting is read: a resolve that fails leaves the environment as it was.
         readers.withhold_token(env)
         return settings

@@ -214,6 +214,8 @@ class _Snapshot:
     hangs: dict[str, int] = dataclasses.field(default_factory=dict)
     longest_collective_wait_s: float = 0.0
     last_failure_unix_s: float = 0.0
+    #: rank -> seconds it enters collectives behind the first entrant (state.lag).
+    entry_lags: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 def _snapshot(coordinator: Any) -> _Snapshot:
@@ -244,6 +246,7 @@ def _snapshot(coordinator: Any) -> _Snapshot:
         loop_lag_s=servicer.lag.total_s if servicer is not None else 0.0,
         hangs=dict(metrics.hangs), longest_collective_wait_s=state.progress.longest_wait(now),
         last_failure_unix_s=metrics.last_failure_unix_s,
+        entry_lags={rank: lag for rank, (lag, _) in state.progress.lag.lags().items()},
     )
 
 
@@ -359,6 +362,12 @@ class _Collector:
         yield gauge("gridcomm_collective_longest_wait_seconds", "How long the ranks furthest ahead in a communicator "
                     "have waited for its last rank to enter their collective (0: none behind).",
                     snap.longest_collective_wait_s)
+        lags = GaugeMetricFamily("gridcomm_rank_entry_lag_seconds", "How late each rank enters collectives behind "
+                                 "the first entrant, over its last few heartbeats (stragglers; never a failure).",
+                                 labels=["rank"])
+        for rank, lag in sorted(snap.entry_lags.items()):
+            lags.add_metric([str(rank)], lag)
+        yield lags
         yield counter("gridcomm_server_restarts", "Times a server of the coordinator was found dead and bound again.",
                       snap.restarts)
 

@@ -14,8 +14,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import grpc
@@ -32,8 +33,9 @@ from gridcomm._coordinator.state import (
     process_tag,
     quote,
 )
+from gridcomm._coordinator.state.digests import answers_of, check_answers
 from gridcomm._coordinator.state.progress import MAX_ENTRIES as MAX_PROGRESS_ENTRIES
-from gridcomm._coordinator.state.progress import Entry, check_entry
+from gridcomm._coordinator.state.progress import MAX_FINGERPRINT, Entry, check_entry
 from gridcomm._coordinator.store_ops import StoreOps
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._runtime.guard import token_problem
@@ -276,11 +278,14 @@ class Servicer(StoreOps):
                         f"{what} reports {len(progress)} communicators (at most {MAX_PROGRESS_ENTRIES}).")
         entries = []
         for p in progress:
-            wrong = check_entry(p.communicator, p.entered, p.kind, p.age_s, p.recent, p.gpu_wait_s)
+            wrong = check_entry(p.communicator, p.entered, p.kind, p.age_s, p.recent, p.gpu_wait_s) or \
+                check_answers(p.entered, p.probe_counts, p.probe_digests, p.probe_prints, p.probe_lost, MAX_FINGERPRINT)
             if wrong is not None:
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {wrong}.")
             entries.append(Entry(p.communicator, p.entered, p.kind, p.age_s, p.inside, tuple(p.recent),
-                                 min(p.completed, p.entered), p.gpu_wait_s))
+                                 min(p.completed, p.entered), p.gpu_wait_s, p.digest,
+                                 answers_of(p.probe_counts, p.probe_digests, p.probe_prints, p.probe_lost),
+                                 p.inside_s if 0.0 <= p.inside_s < math.inf else 0.0))
         return entries
 
     # ------------------------------------------------------------------ operations
@@ -624,7 +629,8 @@ class Servicer(StoreOps):
             # a death meanwhile would wait out the silence bound instead of the connection grace
             # (the held call's cancellation is how a death is seen). It is answered at a new
             # failure, at a failure of a later generation, or at its wait.
-            return (state.generation, len(state.failures)) != known[1:] if held else state.failed
+            return ((state.generation, len(state.failures)) != known[1:] if held else state.failed) or \
+                state.progress.probing(member.rank)
 
         try:
             await self._wait(("failure",), news, min(request.wait_s, self._owner.heartbeat_timeout_s),
@@ -639,7 +645,16 @@ class Servicer(StoreOps):
             # the answer is delivered: one lost with its connection costs that rank at most one
             # wait before it hears of the failures again.
             self._told[member.rank] = (member.incarnation, state.generation, len(state.failures))
-        return pb.HeartbeatResponse(failures=[failure_pb(f) for f in state.failures], generation=state.generation)
+        return pb.HeartbeatResponse(failures=[failure_pb(f) for f in state.failures], generation=state.generation,
+                                    digest_probes=self._probes((member.rank,)))
+
+    def _probes(self, ranks: Iterable[int]) -> list[pb.DigestProbe]:
+        """The digest probes for ``ranks`` (GRIDCOMM_DEBUG=collectives; see state.digests)."""
+        progress = self._state.progress
+        if progress.generation != self._state.generation:
+            return []
+        return [pb.DigestProbe(communicator=name, counts=counts, prints=prints, rank=rank)
+                for rank in ranks for name, counts, prints in progress.probes(rank)]
 
     async def _relayed_heartbeat(self, request: pb.HeartbeatRequest, deadline: float | None) -> pb.HeartbeatResponse:
         """A relay's heartbeat for the ranks it serves, each with the age of its last heartbeat at
@@ -705,10 +720,11 @@ class Servicer(StoreOps):
                 if ("beat", rank) in waiters:
                     self._wake(("beat", rank))
         resend = state.progress_refresh(refresh, now) if refresh else []
-        await self._wait(("failure",), lambda: state.failed, min(request.wait_s, bound), deadline, "heartbeat",
-                         fail_fast=False)
+        served = [rank for rank in ranks if rank in state.members]
+        await self._wait(("failure",), lambda: state.failed or any(state.progress.probing(r) for r in served),
+                         min(request.wait_s, bound), deadline, "heartbeat", fail_fast=False)
         return pb.HeartbeatResponse(failures=[failure_pb(f) for f in state.failures], generation=state.generation,
-                                    progress_resend=resend)
+                                    progress_resend=resend, digest_probes=self._probes(served))
 
     def _check_lost(self, member: Member, beat: float | None, lag_then: float) -> None:
         if self.lag.total_s - lag_then > self._owner.connection_grace_s / 4:
@@ -740,13 +756,14 @@ class Servicer(StoreOps):
                            "sent no heartbeat for {t:.1f} s (hung, partitioned, or overloaded)").format(t=silent)
                     note = f"; the coordinator's own lag of {lag:.1f} s so far is not counted" if lag >= 0.5 else ""
                     self._fail(rank, f"rank {rank} on {member.hostname or '?'} {why}{note}")
-                stall_s = self._owner.stall_timeout_s
-                if stall_s > 0:
-                    # Why the liveness bound as freshness: a rank whose reports stopped is judged
-                    # by liveness (silent), not named as the laggard on a stale report.
-                    hang = self._state.hang(now, stall_s, timeout)
-                    if hang is not None:
-                        self._fail(hang.rank, hang.reason, hang.cause)
+                # Why the liveness bound as freshness: a rank whose reports stopped is judged by
+                # liveness (silent), not named as the laggard on a stale report. A stall bound of
+                # 0 leaves only mismatches to name.
+                hang = self._state.hang(now, max(0.0, self._owner.stall_timeout_s), timeout)
+                if hang is not None:
+                    self._fail(hang.rank, hang.reason, hang.cause)
+                elif self._state.progress.probing_any():
+                    self._wake(("failure",))  # held heartbeats carry the new digest probes
         finally:
             meter.cancel()
 
@@ -794,6 +811,8 @@ class Servicer(StoreOps):
             serving=self._owner.serving,
             progress=self._progress_rows(now),
             late=state.progress.late_lines(now, self._owner.heartbeat_timeout_s) + unlisted,
+            stragglers=[pb.StragglerStatus(rank=s.rank, lag_s=s.lag_s, communicator=s.communicator)
+                        for s in state.progress.lag.stragglers()],
         )
 
     def _barrier_rows(self, now: float) -> tuple[list[pb.BarrierStatus], list[str]]:

@@ -78,7 +78,7 @@ class Failure(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., reason: _Optional[str] = ..., at_unix_s: _Optional[float] = ..., reported_by: _Optional[int] = ..., cause: _Optional[_Union[FailureCause, str]] = ...) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("communicator", "entered", "kind", "age_s", "inside", "rank", "recent", "completed", "gpu_wait_s")
+    __slots__ = ("communicator", "entered", "kind", "age_s", "inside", "rank", "recent", "completed", "gpu_wait_s", "digest", "probe_counts", "probe_digests", "probe_prints", "probe_lost", "inside_s")
     COMMUNICATOR_FIELD_NUMBER: _ClassVar[int]
     ENTERED_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,12 @@ class Progress(_message.Message):
     RECENT_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
     GPU_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PROBE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_PRINTS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_LOST_FIELD_NUMBER: _ClassVar[int]
+    INSIDE_S_FIELD_NUMBER: _ClassVar[int]
     communicator: str
     entered: int
     kind: str
@@ -97,7 +103,25 @@ class Progress(_message.Message):
     recent: _containers.RepeatedScalarFieldContainer[str]
     completed: int
     gpu_wait_s: float
-    def __init__(self, communicator: _Optional[str] = ..., entered: _Optional[int] = ..., kind: _Optional[str] = ..., age_s: _Optional[float] = ..., inside: bool = ..., rank: _Optional[int] = ..., recent: _Optional[_Iterable[str]] = ..., completed: _Optional[int] = ..., gpu_wait_s: _Optional[float] = ...) -> None: ...
+    digest: int
+    probe_counts: _containers.RepeatedScalarFieldContainer[int]
+    probe_digests: _containers.RepeatedScalarFieldContainer[int]
+    probe_prints: _containers.RepeatedScalarFieldContainer[str]
+    probe_lost: _containers.RepeatedScalarFieldContainer[int]
+    inside_s: float
+    def __init__(self, communicator: _Optional[str] = ..., entered: _Optional[int] = ..., kind: _Optional[str] = ..., age_s: _Optional[float] = ..., inside: bool = ..., rank: _Optional[int] = ..., recent: _Optional[_Iterable[str]] = ..., completed: _Optional[int] = ..., gpu_wait_s: _Optional[float] = ..., digest: _Optional[int] = ..., probe_counts: _Optional[_Iterable[int]] = ..., probe_digests: _Optional[_Iterable[int]] = ..., probe_prints: _Optional[_Iterable[str]] = ..., probe_lost: _Optional[_Iterable[int]] = ..., inside_s: _Optional[float] = ...) -> None: ...
+
+class DigestProbe(_message.Message):
+    __slots__ = ("communicator", "counts", "prints", "rank")
+    COMMUNICATOR_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PRINTS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    communicator: str
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    prints: bool
+    rank: int
+    def __init__(self, communicator: _Optional[str] = ..., counts: _Optional[_Iterable[int]] = ..., prints: bool = ..., rank: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("job_id", "rank", "world_size", "incarnation", "hostname", "wait_s", "generation", "recovery", "relay_address", "wants_relay", "relay_rank", "also")
@@ -246,14 +270,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., wait_s: _Optional[float] = ..., also_ranks: _Optional[_Iterable[int]] = ..., also_incarnations: _Optional[_Iterable[int]] = ..., also_generations: _Optional[_Iterable[int]] = ..., also_age_s: _Optional[_Iterable[float]] = ..., also_progress_same: _Optional[_Iterable[bool]] = ..., relayed: bool = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("failures", "generation", "progress_resend")
+    __slots__ = ("failures", "generation", "progress_resend", "digest_probes")
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_RESEND_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_PROBES_FIELD_NUMBER: _ClassVar[int]
     failures: _containers.RepeatedCompositeFieldContainer[Failure]
     generation: int
     progress_resend: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., generation: _Optional[int] = ..., progress_resend: _Optional[_Iterable[int]] = ...) -> None: ...
+    digest_probes: _containers.RepeatedCompositeFieldContainer[DigestProbe]
+    def __init__(self, failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., generation: _Optional[int] = ..., progress_resend: _Optional[_Iterable[int]] = ..., digest_probes: _Optional[_Iterable[_Union[DigestProbe, _Mapping]]] = ...) -> None: ...
 
 class ReportFailureRequest(_message.Message):
     __slots__ = ("caller", "reason")
@@ -296,7 +322,7 @@ class BarrierStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., seq: _Optional[int] = ..., arrived_ranks: _Optional[_Iterable[int]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., waiting_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("job_id", "world_size", "generation", "members", "missing_ranks", "barriers", "failures", "uptime_s", "serving", "progress", "late")
+    __slots__ = ("job_id", "world_size", "generation", "members", "missing_ranks", "barriers", "failures", "uptime_s", "serving", "progress", "late", "stragglers")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +334,7 @@ class StatusResponse(_message.Message):
     SERVING_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     LATE_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLERS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     generation: int
@@ -319,7 +346,18 @@ class StatusResponse(_message.Message):
     serving: bool
     progress: _containers.RepeatedCompositeFieldContainer[Progress]
     late: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., barriers: _Optional[_Iterable[_Union[BarrierStatus, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., serving: bool = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ..., late: _Optional[_Iterable[str]] = ...) -> None: ...
+    stragglers: _containers.RepeatedCompositeFieldContainer[StragglerStatus]
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., barriers: _Optional[_Iterable[_Union[BarrierStatus, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., serving: bool = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ..., late: _Optional[_Iterable[str]] = ..., stragglers: _Optional[_Iterable[_Union[StragglerStatus, _Mapping]]] = ...) -> None: ...
+
+class StragglerStatus(_message.Message):
+    __slots__ = ("rank", "lag_s", "communicator")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LAG_S_FIELD_NUMBER: _ClassVar[int]
+    COMMUNICATOR_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    lag_s: float
+    communicator: str
+    def __init__(self, rank: _Optional[int] = ..., lag_s: _Optional[float] = ..., communicator: _Optional[str] = ...) -> None: ...
 
 class SessionOp(_message.Message):
     __slots__ = ("id", "join", "set", "get", "barrier", "leave", "heartbeat", "add", "compare_set", "delete_key", "keys")

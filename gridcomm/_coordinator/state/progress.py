@@ -33,6 +33,9 @@ import dataclasses
 import math
 from collections.abc import Hashable, Iterable, Sequence
 
+from gridcomm._coordinator.state.digests import Answers, CommunicatorDigests, Found
+from gridcomm._coordinator.state.lag import EntryLag
+
 #: Communicators tracked per generation; reports naming more are ignored (a hostile or buggy
 #: client cannot grow the coordinator's memory with names).
 MAX_COMMUNICATORS = 1024
@@ -43,8 +46,12 @@ MAX_KIND = 64
 #: Fingerprints a report may carry per communicator, and the length of one.
 MAX_RECENT = 64
 MAX_FINGERPRINT = 256
-#: Counts whose fingerprints are kept for comparison at once, per communicator.
-MAX_PRINTED_COUNTS = 4096
+#: Counts whose fingerprints are kept for comparison at once: per communicator (only counts within
+#: this many of the slowest rank's), and in the whole job. Over either, the oldest are dropped:
+#: the fingerprints in reports only name a mismatch early, the digests (state.digests) catch
+#: every one. Worst case (every fingerprint distinct and 256 characters): about 1 KB a count.
+MAX_PRINTED_COUNTS = 256
+MAX_JOB_PRINTED_COUNTS = 16384
 #: How fast a rank's count may plausibly advance between two of its reports: collectives per
 #: second, plus a burst. Far above what any backend launches (NCCL enqueues a small collective in
 #: microseconds), far below a forged count such as 1e9 a second after the join.
@@ -68,6 +75,11 @@ class Entry:
     #: NCCL: collectives known complete on the GPU, and how long its pending sample has waited.
     completed: int = 0
     gpu_wait_s: float = 0.0
+    #: Debug mode: the running digest after collective ``entered`` (0: none), and answers to probes.
+    digest: int = 0
+    answers: Answers | None = None
+    #: Seconds the rank's calls spent inside counted collectives in all (state.lag).
+    inside_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +160,8 @@ class CommunicatorProgress:
         #: when it waits, the count known complete). Healthy GPUs finish a sample within a
         #: heartbeat, so this holds few ranks and a check never scans them all.
         self._gpu_waiting: dict[int, tuple[float, int]] = {}
+        #: Debug mode: the digests ranks report, compared (see state.digests).
+        self.digests = CommunicatorDigests(name)
 
     def implausible(self, rank: int, entry: Entry, now: float, floor: float = -math.inf) -> str | None:
         """Why ``rank``'s ``entry`` cannot be true, in words (None: it can): its count advanced
@@ -199,10 +213,15 @@ class CommunicatorProgress:
             self._gpu_waiting[rank] = (now - entry.gpu_wait_s, entry.completed)
         else:
             self._gpu_waiting.pop(rank, None)
+        ceiling = min(self._at) + MAX_PRINTED_COUNTS
         for offset, fingerprint in enumerate(entry.recent):
             count = entry.entered - len(entry.recent) + 1 + offset
-            if count > before:  # each count once per rank: the window repeats what was sent before
+            # Each count once per rank (the window repeats what was sent before), and none too far
+            # ahead of the slowest rank (a rank far ahead cannot make the others' wait grow this).
+            if before < count <= ceiling:
                 self._prints.setdefault(count, {}).setdefault(fingerprint, set()).add(rank)
+        if entry.digest or entry.answers is not None:
+            self.digests.report(rank, entry.entered, entry.digest, entry.answers)
         self._prune()
 
     def remove(self, rank: int) -> None:
@@ -214,6 +233,7 @@ class CommunicatorProgress:
             del self._at[old.entered]
         self._inside.discard(rank)
         self._gpu_waiting.pop(rank, None)
+        self.digests.remove(rank)
         self._prune()
 
     def _gpu_stuck(self, ranks: Iterable[int], now: float, bound_s: float, fresh_s: float) -> list[tuple[int, float, int]]:
@@ -239,8 +259,14 @@ class CommunicatorProgress:
                     del table[count]
         # Fingerprints stay until the check has compared them (it forgets the counts that agree),
         # within a cap: a count that can never be compared is dropped, oldest first.
-        while len(self._prints) > MAX_PRINTED_COUNTS:
-            del self._prints[min(self._prints)]
+        self.drop_prints(MAX_PRINTED_COUNTS)
+
+    def drop_prints(self, keep: int) -> int:
+        """Drops the oldest fingerprinted counts beyond ``keep``; returns how many are held."""
+        if len(self._prints) > keep:
+            for count in sorted(self._prints)[:len(self._prints) - keep]:
+                del self._prints[count]
+        return len(self._prints)
 
     def _first_at_or_above(self, count: int) -> tuple[float, str] | None:
         """The earliest known entry of collective ``count`` (a rank now past it entered it no later
@@ -275,8 +301,8 @@ class CommunicatorProgress:
     def hang(self, now: float, bound_s: float, fresh_s: float) -> Hang | None:
         """A hang past ``bound_s``, if any (see the module's docstring); ``fresh_s``: a rank whose
         last report is older than this is left to the liveness bound (it is silent, not stuck)."""
-        mismatch = self._mismatch()
-        if mismatch is not None:
+        mismatch = self._mismatch() or self._digest_mismatch()
+        if mismatch is not None or bound_s <= 0:
             return mismatch
         if not self._at:
             return None
@@ -381,9 +407,26 @@ class CommunicatorProgress:
             return Hang(odd_rank, reason, MISMATCH, self.name)
         return None
 
+    def _digest_mismatch(self) -> Hang | None:
+        """The first collective whose digests differ (see state.digests), once found."""
+        found = self.digests.check()
+        return None if found is None else Hang(found.odd, digest_reason(self.name, found), MISMATCH, self.name)
+
     def rows(self, now: float) -> list[tuple[int, int, str, float, bool]]:
         """(rank, entered, kind, seconds since it entered, inside) per rank, by rank."""
         return [(r, p.entered, p.kind, max(0.0, now - p.entered_at), p.inside) for r, p in sorted(self.ranks.items())]
+
+
+def digest_reason(name: str, found: Found) -> str:
+    """A mismatch found by digests, in the words of a fingerprinted one."""
+    odd_group, main_group = found.groups[-1], found.groups[0]
+    groups = (f" (ranks {_ranks_text(odd_group)} as rank {found.odd}, ranks {_ranks_text(main_group)} as rank "
+              f"{found.main})" if len(odd_group) > 1 or len(main_group) > 1 else "")
+    if found.first == found.last:
+        return (f"collective #{found.first} of communicator {name!r}: rank {found.odd} called {found.odd_print}, "
+                f"rank {found.main} called {found.main_print}{groups}")
+    return (f"collectives #{found.first} to #{found.last} of communicator {name!r}: rank {found.odd} called one of "
+            f"them differently from rank {found.main}{groups} (which one is older than the collectives ranks keep)")
 
 
 class Progress:
@@ -396,6 +439,10 @@ class Progress:
         self._reported: dict[int, frozenset[str]] = {}
         #: rank -> what its last report said, as :meth:`unchanged` compares it.
         self._said: dict[int, Hashable] = {}
+        #: Fingerprinted counts held over all communicators (MAX_JOB_PRINTED_COUNTS).
+        self.printed = 0
+        #: How late each rank enters collectives (stragglers).
+        self.lag = EntryLag()
 
     def reset(self, generation: int) -> None:
         """A new generation: its communicators are new (entries are dated no earlier than the
@@ -404,6 +451,8 @@ class Progress:
         self.communicators.clear()
         self._reported.clear()
         self._said.clear()
+        self.printed = 0
+        self.lag.reset()
 
     def unchanged(self, rank: int, generation: int, said: Hashable, now: float) -> bool:
         """True when ``rank``'s last report of ``generation`` said ``said`` too (every count,
@@ -463,7 +512,15 @@ class Progress:
                 if len(self.communicators) >= MAX_COMMUNICATORS:
                     continue
                 comm = self.communicators[entry.communicator] = CommunicatorProgress(entry.communicator)
+            held = len(comm._prints)
             comm.report(rank, entry, now, floor)
+            if entry.inside_s > 0:
+                self.lag.report(entry.communicator, rank, entry.entered, entry.inside_s)
+            self.printed += len(comm._prints) - held
+            if self.printed > MAX_JOB_PRINTED_COUNTS:
+                # Over the job's budget: the reporting rank's communicator gives up its oldest.
+                over = len(comm._prints)
+                self.printed -= over - comm.drop_prints(max(0, over - (self.printed - MAX_JOB_PRINTED_COUNTS)))
             names.add(entry.communicator)
         for gone in self._reported.get(rank, frozenset()) - names:
             self._drop(gone, rank)
@@ -484,15 +541,39 @@ class Progress:
     def remove(self, rank: int) -> None:
         """``rank`` left or failed: it is waited for no longer."""
         self._said.pop(rank, None)
+        self.lag.remove(rank)
         for name in self._reported.pop(rank, frozenset()):
             self._drop(name, rank)
 
     def hang(self, now: float, bound_s: float, fresh_s: float) -> Hang | None:
+        """A hang to name (a bound of 0: only mismatches); also recounts the fingerprints held
+        (the job's budget), since the check forgets those that agree."""
+        found = None
         for comm in self.communicators.values():
             found = comm.hang(now, bound_s, fresh_s)
             if found is not None:
-                return found
-        return None
+                break
+        self.printed = sum(len(c._prints) for c in self.communicators.values())
+        return found
+
+    def probing(self, rank: int) -> bool:
+        """Whether the coordinator has a digest probe for ``rank`` not yet given to it."""
+        return any(c.digests.waiting(rank) for c in self._comms_of(rank))
+
+    def probing_any(self) -> bool:
+        return any(c.digests.fresh() for c in self.communicators.values())
+
+    def probes(self, rank: int) -> list[tuple[str, tuple[int, ...], bool]]:
+        """The digest probes for ``rank`` (communicator, counts, with fingerprints), given now."""
+        out = []
+        for comm in self._comms_of(rank):
+            got = comm.digests.probes(rank)
+            if got is not None:
+                out.append((comm.name, *got))
+        return out
+
+    def _comms_of(self, rank: int) -> list[CommunicatorProgress]:
+        return [c for n in self._reported.get(rank, ()) if (c := self.communicators.get(n)) is not None]
 
     def longest_wait(self, now: float) -> float:
         return max((c.longest_wait(now) for c in self.communicators.values()), default=0.0)
