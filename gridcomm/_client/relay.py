@@ -36,6 +36,7 @@ from typing import Any
 import grpc
 
 from gridcomm import _config
+from gridcomm._client import relay_tls
 from gridcomm._client.channel import make_aio_channel
 from gridcomm._errors import ConfigError, GridcommError
 from gridcomm._proto import coordinator_pb2 as pb
@@ -143,8 +144,11 @@ class Relay:
 
     def __init__(self, upstream: str, *, token: str | None = None, tls: _config.TlsFiles | None = None,
                  bind: str = "127.0.0.1", port: int = 0,
-                 heartbeat_timeout_s: float = _config.DEFAULT_HEARTBEAT_TIMEOUT_S, ranks: Iterable[int] = ()) -> None:
+                 heartbeat_timeout_s: float = _config.DEFAULT_HEARTBEAT_TIMEOUT_S, ranks: Iterable[int] = (),
+                 tls_name: str | None = None) -> None:
         self.upstream = upstream
+        #: The host name its members verify, where they dial it by another address than target.
+        self.tls_name = tls_name
         #: The ranks this relay serves, where its host knows them (a tree group): whom its first
         #: joins wait for.
         self._group = frozenset(ranks)
@@ -220,14 +224,18 @@ class Relay:
         return self
 
     async def _start(self) -> int:
+        credentials = relay_tls.server_credentials(self._tls)  # see gridcomm._client.relay_tls
         self._channel = make_aio_channel(self.upstream, self._tls)
-        credentials = None
-        if self._tls is not None and self._tls.cert is not None and self._tls.key is not None:
-            credentials = grpc.ssl_server_credentials([(self._tls.key, self._tls.cert)], root_certificates=self._tls.ca,
-                                                      require_client_auth=self._tls.require_client_cert)
         self._server = GuardedServer("relay", _config.format_target(self.bind, self._requested_port),
                                      control_server_options(MAX_RELAY_CONNECTIONS), self._register, credentials=credentials)
         self.port = await self._server.start()
+        if self.port:
+            try:
+                await relay_tls.check_dialable(self.target, self._tls, self.tls_name)
+            except ConfigError:
+                self._stopped = True
+                await self._stop()
+                raise
         self._beat_task = asyncio.ensure_future(self._heartbeats())
         return self.port
 
