@@ -28,7 +28,7 @@ from gridcomm import _config
 from gridcomm._client import progress as _progress
 from gridcomm._client import session as _session
 from gridcomm._client.channel import make_aio_channel, make_channel
-from gridcomm._client.relay_tls import serving_identity_problem
+from gridcomm._client.relay_tls import RelayTlsError, serving_identity_problem
 from gridcomm._client.tracker import Tracker
 from gridcomm._client.watcher import Watcher
 from gridcomm._config.settings import ClientSettings
@@ -304,9 +304,9 @@ class CoordinatorClient:
         try:
             self.relay = Relay(self.target, token=settings.token, tls=self.tls, bind=local_address(self.host),
                                port=port, ranks=range(leader + 1, min(leader + fanin, self.world_size)),
-                               tls_name=name).start()
-        except ConfigError:
-            raise  # its members could not dial it (TLS): a clear error now, not their timeouts
+                               tls_name=name, world_size=self.world_size).start()
+        except RelayTlsError:
+            raise  # its members could not dial it: a clear error now, not their timeouts
         except GridcommError as exc:
             # Its group then dials the coordinator directly: slower at scale, never wrong.
             log.warning("rank %d: hosts no relay for its group: %s", self.rank, exc)

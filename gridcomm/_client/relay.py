@@ -38,6 +38,7 @@ import grpc
 from gridcomm import _config
 from gridcomm._client import relay_tls
 from gridcomm._client.channel import make_aio_channel
+from gridcomm._client.relay_children import Child, answered, probe
 from gridcomm._errors import ConfigError, GridcommError
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
@@ -89,38 +90,8 @@ def _rank_of(kind: str, request: Any) -> int:
     return int(request.rank) if kind == "join" else int(request.caller.rank)
 
 
-class _Child:
-    """One rank's Session stream to this relay: results are written back in batches."""
-
-    def __init__(self, context: grpc.aio.ServicerContext) -> None:
-        self.context = context
-        self.results: list[pb.SessionResult] = []
-        self.ready = asyncio.Event()
-        self.closed = False
-        self.inflight = 0
-        self.writer: asyncio.Task[None] | None = None
-        #: The ranks whose operations this stream carried (one, but for a shared session).
-        self.ranks: set[int] = set()
-
-    def answer(self, result: pb.SessionResult) -> None:
-        if self.closed:
-            return
-        self.inflight -= 1
-        self.results.append(result)
-        self.ready.set()
-
-    async def write(self) -> None:
-        while not self.closed:
-            if not self.results:
-                await self.ready.wait()
-                self.ready.clear()
-                continue
-            batch, self.results = self.results, []
-            await self.context.write(pb.SessionReply(results=batch))
-
-
 #: (child, the child's op id, the child's op): who an upstream operation answers.
-_Route = list[tuple[_Child, int, pb.SessionOp]]
+_Route = list[tuple[Child, int, pb.SessionOp]]
 
 
 class _Group:
@@ -145,8 +116,10 @@ class Relay:
     def __init__(self, upstream: str, *, token: str | None = None, tls: _config.TlsFiles | None = None,
                  bind: str = "127.0.0.1", port: int = 0,
                  heartbeat_timeout_s: float = _config.DEFAULT_HEARTBEAT_TIMEOUT_S, ranks: Iterable[int] = (),
-                 tls_name: str | None = None) -> None:
+                 tls_name: str | None = None, world_size: int = 0) -> None:
         self.upstream = upstream
+        #: The job's size where known (the bound on a child's waiting operations grows with it).
+        self.world_size = world_size
         #: The host name its members verify, where they dial it by another address than target.
         self.tls_name = tls_name
         #: The ranks this relay serves, where its host knows them (a tree group): whom its first
@@ -171,10 +144,10 @@ class Relay:
         self._routes: dict[int, tuple[str, _Route, Callable[[pb.SessionResult], None] | None]] = {}
         self._next_id = 0
         self._groups: dict[tuple[Any, ...], _Group] = {}
-        self._children: set[_Child] = set()
+        self._children: set[Child] = set()
         #: rank -> (the stream it reaches this relay on, the generation its latest operation named):
         #: whom a barrier's arrivals wait for.
-        self._ranks: dict[int, tuple[_Child, int]] = {}
+        self._ranks: dict[int, tuple[Child, int]] = {}
         #: The latest barriers sent up (their group keys), oldest first.
         self._went_up: collections.OrderedDict[tuple[Any, ...], None] = collections.OrderedDict()
         #: rank -> (its latest caller, when its last heartbeat arrived (loop time), and the
@@ -232,7 +205,7 @@ class Relay:
         if self.port:
             try:
                 await relay_tls.check_dialable(self.target, self._tls, self.tls_name)
-            except ConfigError:
+            except relay_tls.RelayTlsError:
                 self._stopped = True
                 await self._stop()
                 raise
@@ -296,7 +269,7 @@ class Relay:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 f"Session refused by the relay: the token is {problem}; set the same GRIDCOMM_TOKEN "
                                 "(or GRIDCOMM_TOKEN_FILE) on every rank and the coordinator.")
-        child = _Child(context)
+        child = Child(context, self.world_size)
         self._children.add(child)
         writer = child.writer = asyncio.ensure_future(child.write())
         refusal = None
@@ -310,14 +283,16 @@ class Relay:
                     break
                 for op in request.ops:
                     self._take(child, op)
+                refusal = child.overflow()
+                if refusal is not None:
+                    break
             # The rank is done sending: answer what it has in flight (each wait is bounded).
             while refusal is None and child.inflight > 0 and not child.closed:
                 await asyncio.sleep(0.05)
             while refusal is None and child.results and not child.closed:
                 await asyncio.sleep(0.01)
         finally:
-            child.closed = True
-            child.ready.set()
+            child.close()
             self._children.discard(child)
             self._forget(child)
             # Why the writer ends first: an abort while a reply is being written fails (too many
@@ -327,11 +302,14 @@ class Relay:
             except BaseException:  # noqa: BLE001 - a writer that fails or hangs: go on
                 writer.cancel()
         if refusal is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if refusal.startswith("this Session stream has") \
+                else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, refusal)
 
-    def _take(self, child: _Child, op: pb.SessionOp) -> None:
+    def _take(self, child: Child, op: pb.SessionOp) -> None:
         kind = op.WhichOneof("op")
-        child.inflight += 1
+        if not child.admit(op, kind):
+            return
         if kind is None:
             child.answer(pb.SessionResult(id=op.id, code=_INVALID, details=f"Session operation {op.id} names no operation."))
             return
@@ -344,6 +322,23 @@ class Relay:
             request.ClearField("also_ranks")
             request.ClearField("also_incarnations")
         caller = getattr(request, "caller", None)
+        if caller is not None and not child.owns(caller):
+            # A process this stream has not proven to be: the coordinator judges it, for this
+            # child alone (see gridcomm._client.relay_children).
+            if kind != "heartbeat":
+                self._send(kind, request, [(child, op.id, op)])
+                return
+
+            def proven(result: pb.SessionResult) -> None:
+                if result.code:
+                    child.answer(answered(result, op.id))
+                    return
+                child.learn(kind, op, 0)
+                self._note(child, caller)
+                self._child_heartbeat(child, op)
+
+            self._send(kind, probe(request), [], proven)
+            return
         if caller is not None:
             self._note(child, caller)
         if kind == "heartbeat":
@@ -375,7 +370,7 @@ class Relay:
             if not waiting:
                 self._wake_writer()
 
-    def _note(self, child: _Child, caller: pb.Caller) -> None:
+    def _note(self, child: Child, caller: pb.Caller) -> None:
         """Which stream ``caller``'s rank reaches this relay on, and in which generation."""
         rank = caller.rank
         entry = self._ranks.get(rank)
@@ -387,7 +382,7 @@ class Relay:
             self._ranks[rank] = (child, caller.generation)
             child.ranks.add(rank)
 
-    def _forget(self, child: _Child) -> None:
+    def _forget(self, child: Child) -> None:
         for rank in child.ranks:
             entry = self._ranks.get(rank)
             if entry is not None and entry[0] is child:
@@ -410,7 +405,7 @@ class Relay:
             ranks.intersection_update(participants)
         return ranks
 
-    def _child_heartbeat(self, child: _Child, op: pb.SessionOp) -> None:
+    def _child_heartbeat(self, child: Child, op: pb.SessionOp) -> None:
         request = op.heartbeat
         loop = asyncio.get_running_loop()
         self._beats[request.caller.rank] = (request.caller, loop.time(), _eventloop.lag_s())
@@ -548,6 +543,8 @@ class Relay:
             for child, op_id, op in route:
                 self._send(kind, getattr(op, kind), [(child, op_id, op)])
             return
+        for child, _op_id, op in route:
+            child.learn(kind, op, result.code)
         if kind == "leave" and not result.code:
             for child, _op_id, op in route:
                 rank = op.leave.caller.rank
@@ -583,7 +580,7 @@ class Relay:
             child.ready.set()
             asyncio.ensure_future(self._abort(child, why))
 
-    async def _abort(self, child: _Child, why: str) -> None:
+    async def _abort(self, child: Child, why: str) -> None:
         try:
             if child.writer is not None:
                 await asyncio.wait_for(asyncio.shield(child.writer), 5.0)  # it ends: the child is closed

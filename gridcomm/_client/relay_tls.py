@@ -17,6 +17,11 @@ from gridcomm._client.channel import make_aio_channel
 from gridcomm._errors import ConfigError
 from gridcomm._wire import SERVICE_NAME
 
+
+class RelayTlsError(ConfigError):
+    """Raised when a relay could not serve its members over TLS the way they dial it."""
+
+
 #: How long the self-dial may take (a loopback handshake; generous for a loaded machine).
 CHECK_S = 10.0
 
@@ -36,7 +41,7 @@ def server_credentials(tls: _config.TlsFiles | None) -> grpc.ServerCredentials |
     TLS and this process has no serving certificate (a plaintext relay would refuse every member)."""
     problem = serving_identity_problem(tls)
     if problem is not None:
-        raise ConfigError(f"cannot host a relay: {problem}; set them, or GRIDCOMM_RELAY=off.")
+        raise RelayTlsError(f"cannot host a relay: {problem}; set them, or GRIDCOMM_RELAY=off.")
     if tls is None:
         return None
     assert tls.cert is not None and tls.key is not None
@@ -45,7 +50,7 @@ def server_credentials(tls: _config.TlsFiles | None) -> grpc.ServerCredentials |
 
 
 async def check_dialable(target: str, tls: _config.TlsFiles | None, name: str | None = None) -> None:
-    """Dials the relay at ``target`` with a member's credentials and raises ConfigError when the
+    """Dials the relay at ``target`` with a member's credentials and raises RelayTlsError when the
     TLS handshake fails. ``name``: the host name members verify when they dial it by another
     address than ``target`` (a GRIDCOMM_RELAY_ADDRESSES template), unless GRIDCOMM_TLS_SERVER_NAME
     names it for everyone."""
@@ -67,7 +72,7 @@ async def check_dialable(target: str, tls: _config.TlsFiles | None, name: str | 
             if exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED):
                 return
             verified = tls.server_name or target.rsplit(":", 1)[0]
-            raise ConfigError(
+            raise RelayTlsError(
                 f"this process's relay at {target} cannot be dialled the way its members dial it: "
                 f"{exc.code().name}: {exc.details()}; its certificate (GRIDCOMM_TLS_CERT) must be signed by the "
                 f"job's CA (GRIDCOMM_TLS_CA) and name {verified!r} (or set GRIDCOMM_TLS_SERVER_NAME to a name it "
