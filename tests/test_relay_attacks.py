@@ -175,3 +175,58 @@ def test_a_child_naming_more_ranks_than_the_job_has_is_refused_alone(job):
     j.victims_ok()
     assert codes(stream.results) == {"INVALID_ARGUMENT"}, codes(stream.results)
     assert "is out of range for world size 3" in stream.results[0].details, stream.results[0].details
+
+
+@pytest.mark.timeout(150)
+def test_one_child_parking_gets_through_a_relay_is_refused_alone(job):
+    """(c) Before: 1,100 gets of unset keys by one child filled the relay's one stream to the
+    coordinator (its bound, 1,024 operations waiting, counted the stream), and the other ranks'
+    barriers on it were refused. Now the relay holds each child to that bound, and the coordinator
+    counts a relay's stream per rank. (A long heartbeat bound: the attacker's own heartbeats are
+    refused too while it has 1,024 operations waiting, which would end the job a bound later.)"""
+    j = job(bound=60.0, duration_s=8.0)
+    stream = Stream(j.relay.target)
+    try:
+        stream.send([pb.SessionOp(id=i, get=pb.GetRequest(caller=j.caller(), key=f"never-{i}", wait_s=60.0))
+                     for i in range(1, 1101)])
+        wait_for(lambda: len(stream.results) >= 76, "the refusals of the gets past the bound", 30)
+        j.victims_ok()
+        # 76 past the relay's bound for the child; one more at the coordinator where the attacker's
+        # own heartbeat was in flight there (1,024 operations per rank).
+        assert 76 <= len(stream.results) <= 77 and codes(stream.results) == {"RESOURCE_EXHAUSTED"}, stream.results
+        assert all("refused" in r.details and "1024 operations" in r.details for r in stream.results), stream.results
+    finally:
+        stream._channel.close()
+        stream.close()
+
+
+@pytest.mark.timeout(150)
+def test_a_child_that_never_reads_its_answers_is_cut_off_not_buffered(job):
+    """(d) Before: the relay kept every answer a child did not read (its heartbeats, answered at
+    once), and grew without bound. Now past 4 x its bound of waiting operations (or 64 MiB) the
+    child's stream ends with RESOURCE_EXHAUSTED, as at the coordinator."""
+    j = job(bound=10.0, duration_s=6.0)
+    total, sent = 200_000, [0, time.monotonic()]
+    beat = pb.HeartbeatRequest(caller=j.caller(), wait_s=0.0)
+
+    def requests() -> Iterator[pb.SessionRequest]:
+        for start in range(0, total, 500):
+            yield pb.SessionRequest(ops=[pb.SessionOp(id=i, heartbeat=beat) for i in range(start, start + 500)])
+            sent[:] = [sent[0] + 500, time.monotonic()]
+
+    # A small receive window and no growing it: the relay's writes stall as soon as answers are unread.
+    with grpc.insecure_channel(j.relay.target, options=[("grpc.http2.bdp_probe", 0),
+                                                        ("grpc.http2.lookahead_bytes", 16384)]) as channel:
+        answers = pb_grpc.CoordinatorStub(channel).Session(requests(), metadata=AUTH, timeout=60.0)
+        # Unread until the writes stall (the relay stopped reading) or all are out.
+        while sent[0] < total and time.monotonic() - sent[1] < 0.5:
+            time.sleep(0.05)
+        code, text = grpc.StatusCode.OK, ""
+        try:
+            for _ in answers:
+                pass  # now read: what was written before the end, then the status
+        except grpc.RpcError as exc:
+            code, text = exc.code(), exc.details() or ""
+    print(f"\n{sent[0]} heartbeats sent unread to the relay: {code.name} ({text[:90]})")
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and "answers its client has not read" in text, (code, text)
+    j.victims_ok()
