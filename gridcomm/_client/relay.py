@@ -118,10 +118,9 @@ class Relay:
                  heartbeat_timeout_s: float = _config.DEFAULT_HEARTBEAT_TIMEOUT_S, ranks: Iterable[int] = (),
                  tls_name: str | None = None, world_size: int = 0) -> None:
         self.upstream = upstream
-        #: The job's size where known (the bound on a child's waiting operations grows with it).
-        self.world_size = world_size
-        #: The host name its members verify, where they dial it by another address than target.
-        self.tls_name = tls_name
+        #: The job's size (0: unknown; a child's bound grows with it), and the host name members
+        #: verify where they dial it by another address than target (see relay_tls).
+        self.world_size, self.tls_name = world_size, tls_name
         #: The ranks this relay serves, where its host knows them (a tree group): whom its first
         #: joins wait for.
         self._group = frozenset(ranks)
@@ -202,13 +201,10 @@ class Relay:
         self._server = GuardedServer("relay", _config.format_target(self.bind, self._requested_port),
                                      control_server_options(MAX_RELAY_CONNECTIONS), self._register, credentials=credentials)
         self.port = await self._server.start()
-        if self.port:
-            try:
-                await relay_tls.check_dialable(self.target, self._tls, self.tls_name)
-            except relay_tls.RelayTlsError:
-                self._stopped = True
-                await self._stop()
-                raise
+        if self.port and (problem := await relay_tls.dial_problem(self.target, self._tls, self.tls_name)):
+            self._stopped = True
+            await self._stop()
+            raise problem
         self._beat_task = asyncio.ensure_future(self._heartbeats())
         return self.port
 
@@ -272,19 +268,19 @@ class Relay:
         child = Child(context, self.world_size)
         self._children.add(child)
         writer = child.writer = asyncio.ensure_future(child.write())
-        refusal = None
+        refusal: tuple[grpc.StatusCode, str] | None = None
         try:
             while True:
                 request = await context.read()
                 if request is grpc.aio.EOF:
                     break
                 if request is UNDECODABLE:
-                    refusal = "a Session request is not a valid gridcomm.v1.SessionRequest."
+                    refusal = (grpc.StatusCode.INVALID_ARGUMENT, "a Session request is not a valid gridcomm.v1.SessionRequest.")
                     break
                 for op in request.ops:
                     self._take(child, op)
-                refusal = child.overflow()
-                if refusal is not None:
+                if (why := child.overflow()) is not None:
+                    refusal = (grpc.StatusCode.RESOURCE_EXHAUSTED, why)
                     break
             # The rank is done sending: answer what it has in flight (each wait is bounded).
             while refusal is None and child.inflight > 0 and not child.closed:
@@ -302,9 +298,7 @@ class Relay:
             except BaseException:  # noqa: BLE001 - a writer that fails or hangs: go on
                 writer.cancel()
         if refusal is not None:
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if refusal.startswith("this Session stream has") \
-                else grpc.StatusCode.INVALID_ARGUMENT
-            await context.abort(code, refusal)
+            await context.abort(*refusal)
 
     def _take(self, child: Child, op: pb.SessionOp) -> None:
         kind = op.WhichOneof("op")

@@ -10,6 +10,8 @@ member's handshake failing until its timeout.
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 
 from gridcomm import _config
@@ -49,17 +51,15 @@ def server_credentials(tls: _config.TlsFiles | None) -> grpc.ServerCredentials |
                                        require_client_auth=tls.require_client_cert)
 
 
-async def check_dialable(target: str, tls: _config.TlsFiles | None, name: str | None = None) -> None:
-    """Dials the relay at ``target`` with a member's credentials and raises RelayTlsError when the
-    TLS handshake fails. ``name``: the host name members verify when they dial it by another
+async def dial_problem(target: str, tls: _config.TlsFiles | None, name: str | None = None) -> RelayTlsError | None:
+    """Dials the relay at ``target`` with a member's credentials: the RelayTlsError to raise when
+    the TLS handshake fails, else None. ``name``: the host name members verify when they dial it by another
     address than ``target`` (a GRIDCOMM_RELAY_ADDRESSES template), unless GRIDCOMM_TLS_SERVER_NAME
     names it for everyone."""
     if tls is None:
-        return
+        return None
     if name is not None and not tls.server_name:
-        from dataclasses import replace
-
-        tls = replace(tls, server_name=name)
+        tls = dataclasses.replace(tls, server_name=name)
     channel = make_aio_channel(target, tls, retries=False, relay=True)
     try:
         # Why a method the relay does not serve: UNIMPLEMENTED proves the handshake (and, with
@@ -70,12 +70,13 @@ async def check_dialable(target: str, tls: _config.TlsFiles | None, name: str | 
             await probe(b"", timeout=CHECK_S, wait_for_ready=False)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED):
-                return
+                return None
             verified = tls.server_name or target.rsplit(":", 1)[0]
-            raise RelayTlsError(
+            return RelayTlsError(
                 f"this process's relay at {target} cannot be dialled the way its members dial it: "
                 f"{exc.code().name}: {exc.details()}; its certificate (GRIDCOMM_TLS_CERT) must be signed by the "
                 f"job's CA (GRIDCOMM_TLS_CA) and name {verified!r} (or set GRIDCOMM_TLS_SERVER_NAME to a name it "
-                "has, on every rank), or set GRIDCOMM_RELAY=off.") from None
+                "has, on every rank), or set GRIDCOMM_RELAY=off.")
+        return None  # answered: a Status the relay serves would be fine too
     finally:
         await channel.close()
