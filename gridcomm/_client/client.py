@@ -29,6 +29,7 @@ from gridcomm._client import progress as _progress
 from gridcomm._client import session as _session
 from gridcomm._client.channel import make_aio_channel, make_channel
 from gridcomm._client.inflight import Abandoned, InFlight
+from gridcomm._client.relay_tls import RelayTlsError, serving_identity_problem
 from gridcomm._client.tracker import Tracker
 from gridcomm._client.watcher import Watcher
 from gridcomm._config.settings import ClientSettings
@@ -293,6 +294,13 @@ class CoordinatorClient:
             return  # a node agent's relay (gridcomm launch), or none
         if settings.relay_mode == "auto" and self.world_size < _config.RELAY_AUTO_WORLD:
             return
+        problem = serving_identity_problem(self.tls)
+        if problem is not None:
+            # Every rank decides alike from the job's TLS files: no relay would serve its members.
+            if settings.relay_mode == "on":
+                raise ConfigError(f"rank {self.rank}: GRIDCOMM_RELAY=on, but {problem}; set them on every rank "
+                                  "or GRIDCOMM_RELAY=auto (no relays then) or off.")
+            return
         fanin = settings.fanin(self.world_size)
         leader = self.rank - self.rank % fanin
         template = settings.relay_addresses
@@ -307,13 +315,15 @@ class CoordinatorClient:
         from gridcomm._client.relay import Relay
         from gridcomm._runtime.address import local_address
 
-        port = 0
+        port, name = 0, None
         if template is not None:
-            port = _config.parse_target(_config.format_relay_address(template, leader,
-                                                                     leader // fanin))[1]
+            name, port = _config.parse_target(_config.format_relay_address(template, leader, leader // fanin))
         try:
             self.relay = Relay(self.target, token=settings.token, tls=self.tls, bind=local_address(self.host),
-                               port=port, ranks=range(leader + 1, min(leader + fanin, self.world_size))).start()
+                               port=port, ranks=range(leader + 1, min(leader + fanin, self.world_size)),
+                               tls_name=name, world_size=self.world_size).start()
+        except RelayTlsError:
+            raise  # its members could not dial it: a clear error now, not their timeouts
         except GridcommError as exc:
             # Its group then dials the coordinator directly: slower at scale, never wrong.
             log.warning("rank %d: hosts no relay for its group: %s", self.rank, exc)

@@ -36,7 +36,9 @@ from typing import Any
 import grpc
 
 from gridcomm import _config
+from gridcomm._client import relay_tls
 from gridcomm._client.channel import make_aio_channel
+from gridcomm._client.relay_children import Child, answered, probe
 from gridcomm._errors import ConfigError, GridcommError
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
@@ -88,38 +90,8 @@ def _rank_of(kind: str, request: Any) -> int:
     return int(request.rank) if kind == "join" else int(request.caller.rank)
 
 
-class _Child:
-    """One rank's Session stream to this relay: results are written back in batches."""
-
-    def __init__(self, context: grpc.aio.ServicerContext) -> None:
-        self.context = context
-        self.results: list[pb.SessionResult] = []
-        self.ready = asyncio.Event()
-        self.closed = False
-        self.inflight = 0
-        self.writer: asyncio.Task[None] | None = None
-        #: The ranks whose operations this stream carried (one, but for a shared session).
-        self.ranks: set[int] = set()
-
-    def answer(self, result: pb.SessionResult) -> None:
-        if self.closed:
-            return
-        self.inflight -= 1
-        self.results.append(result)
-        self.ready.set()
-
-    async def write(self) -> None:
-        while not self.closed:
-            if not self.results:
-                await self.ready.wait()
-                self.ready.clear()
-                continue
-            batch, self.results = self.results, []
-            await self.context.write(pb.SessionReply(results=batch))
-
-
 #: (child, the child's op id, the child's op): who an upstream operation answers.
-_Route = list[tuple[_Child, int, pb.SessionOp]]
+_Route = list[tuple[Child, int, pb.SessionOp]]
 
 
 class _Group:
@@ -143,8 +115,12 @@ class Relay:
 
     def __init__(self, upstream: str, *, token: str | None = None, tls: _config.TlsFiles | None = None,
                  bind: str = "127.0.0.1", port: int = 0,
-                 heartbeat_timeout_s: float = _config.DEFAULT_HEARTBEAT_TIMEOUT_S, ranks: Iterable[int] = ()) -> None:
+                 heartbeat_timeout_s: float = _config.DEFAULT_HEARTBEAT_TIMEOUT_S, ranks: Iterable[int] = (),
+                 tls_name: str | None = None, world_size: int = 0) -> None:
         self.upstream = upstream
+        #: The job's size (0: unknown; a child's bound grows with it), and the host name members
+        #: verify where they dial it by another address than target (see relay_tls).
+        self.world_size, self.tls_name = world_size, tls_name
         #: The ranks this relay serves, where its host knows them (a tree group): whom its first
         #: joins wait for.
         self._group = frozenset(ranks)
@@ -167,10 +143,10 @@ class Relay:
         self._routes: dict[int, tuple[str, _Route, Callable[[pb.SessionResult], None] | None]] = {}
         self._next_id = 0
         self._groups: dict[tuple[Any, ...], _Group] = {}
-        self._children: set[_Child] = set()
+        self._children: set[Child] = set()
         #: rank -> (the stream it reaches this relay on, the generation its latest operation named):
         #: whom a barrier's arrivals wait for.
-        self._ranks: dict[int, tuple[_Child, int]] = {}
+        self._ranks: dict[int, tuple[Child, int]] = {}
         #: The latest barriers sent up (their group keys), oldest first.
         self._went_up: collections.OrderedDict[tuple[Any, ...], None] = collections.OrderedDict()
         #: rank -> (its latest caller, when its last heartbeat arrived (loop time), and the
@@ -222,14 +198,15 @@ class Relay:
         return self
 
     async def _start(self) -> int:
+        credentials = relay_tls.server_credentials(self._tls)  # see gridcomm._client.relay_tls
         self._channel = make_aio_channel(self.upstream, self._tls)
-        credentials = None
-        if self._tls is not None and self._tls.cert is not None and self._tls.key is not None:
-            credentials = grpc.ssl_server_credentials([(self._tls.key, self._tls.cert)], root_certificates=self._tls.ca,
-                                                      require_client_auth=self._tls.require_client_cert)
         self._server = GuardedServer("relay", _config.format_target(self.bind, self._requested_port),
                                      control_server_options(MAX_RELAY_CONNECTIONS), self._register, credentials=credentials)
         self.port = await self._server.start()
+        if self.port and (problem := await relay_tls.dial_problem(self.target, self._tls, self.tls_name)):
+            self._stopped = True
+            await self._stop()
+            raise problem
         self._beat_task = asyncio.ensure_future(self._heartbeats())
         return self.port
 
@@ -290,28 +267,30 @@ class Relay:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 f"Session refused by the relay: the token is {problem}; set the same GRIDCOMM_TOKEN "
                                 "(or GRIDCOMM_TOKEN_FILE) on every rank and the coordinator.")
-        child = _Child(context)
+        child = Child(context, self.world_size)
         self._children.add(child)
         writer = child.writer = asyncio.ensure_future(child.write())
-        refusal = None
+        refusal: tuple[grpc.StatusCode, str] | None = None
         try:
             while True:
                 request = await context.read()
                 if request is grpc.aio.EOF:
                     break
                 if request is UNDECODABLE:
-                    refusal = "a Session request is not a valid gridcomm.v1.SessionRequest."
+                    refusal = (grpc.StatusCode.INVALID_ARGUMENT, "a Session request is not a valid gridcomm.v1.SessionRequest.")
                     break
                 for op in request.ops:
                     self._take(child, op)
+                if (why := child.overflow()) is not None:
+                    refusal = (grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+                    break
             # The rank is done sending: answer what it has in flight (each wait is bounded).
             while refusal is None and child.inflight > 0 and not child.closed:
                 await asyncio.sleep(0.05)
             while refusal is None and child.results and not child.closed:
                 await asyncio.sleep(0.01)
         finally:
-            child.closed = True
-            child.ready.set()
+            child.close()
             self._children.discard(child)
             self._forget(child)
             # Why the writer ends first: an abort while a reply is being written fails (too many
@@ -321,11 +300,12 @@ class Relay:
             except BaseException:  # noqa: BLE001 - a writer that fails or hangs: go on
                 writer.cancel()
         if refusal is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
+            await context.abort(*refusal)
 
-    def _take(self, child: _Child, op: pb.SessionOp) -> None:
+    def _take(self, child: Child, op: pb.SessionOp) -> None:
         kind = op.WhichOneof("op")
-        child.inflight += 1
+        if not child.admit(op, kind):
+            return
         if kind is None:
             child.answer(pb.SessionResult(id=op.id, code=_INVALID, details=f"Session operation {op.id} names no operation."))
             return
@@ -338,6 +318,23 @@ class Relay:
             request.ClearField("also_ranks")
             request.ClearField("also_incarnations")
         caller = getattr(request, "caller", None)
+        if caller is not None and not child.owns(caller):
+            # A process this stream has not proven to be: the coordinator judges it, for this
+            # child alone (see gridcomm._client.relay_children).
+            if kind != "heartbeat":
+                self._send(kind, request, [(child, op.id, op)])
+                return
+
+            def proven(result: pb.SessionResult) -> None:
+                if result.code:
+                    child.answer(answered(result, op.id))
+                    return
+                child.learn(kind, op, 0)
+                self._note(child, caller)
+                self._child_heartbeat(child, op)
+
+            self._send(kind, probe(request), [], proven)
+            return
         if caller is not None:
             self._note(child, caller)
         if kind == "heartbeat":
@@ -369,7 +366,7 @@ class Relay:
             if not waiting:
                 self._wake_writer()
 
-    def _note(self, child: _Child, caller: pb.Caller) -> None:
+    def _note(self, child: Child, caller: pb.Caller) -> None:
         """Which stream ``caller``'s rank reaches this relay on, and in which generation."""
         rank = caller.rank
         entry = self._ranks.get(rank)
@@ -381,7 +378,7 @@ class Relay:
             self._ranks[rank] = (child, caller.generation)
             child.ranks.add(rank)
 
-    def _forget(self, child: _Child) -> None:
+    def _forget(self, child: Child) -> None:
         for rank in child.ranks:
             entry = self._ranks.get(rank)
             if entry is not None and entry[0] is child:
@@ -404,7 +401,7 @@ class Relay:
             ranks.intersection_update(participants)
         return ranks
 
-    def _child_heartbeat(self, child: _Child, op: pb.SessionOp) -> None:
+    def _child_heartbeat(self, child: Child, op: pb.SessionOp) -> None:
         request = op.heartbeat
         loop = asyncio.get_running_loop()
         self._beats[request.caller.rank] = (request.caller, loop.time(), _eventloop.lag_s())
@@ -556,6 +553,8 @@ class Relay:
             for child, op_id, op in route:
                 self._send(kind, getattr(op, kind), [(child, op_id, op)])
             return
+        for child, _op_id, op in route:
+            child.learn(kind, op, result.code)
         if kind == "leave" and not result.code:
             for child, _op_id, op in route:
                 rank = op.leave.caller.rank
@@ -592,7 +591,7 @@ class Relay:
             child.ready.set()
             asyncio.ensure_future(self._abort(child, why))
 
-    async def _abort(self, child: _Child, why: str) -> None:
+    async def _abort(self, child: Child, why: str) -> None:
         try:
             if child.writer is not None:
                 await asyncio.wait_for(asyncio.shield(child.writer), 5.0)  # it ends: the child is closed

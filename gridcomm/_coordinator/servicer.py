@@ -162,7 +162,9 @@ class Servicer(StoreOps):
         why). Why here: a rank that parks gets of keys nobody sets on many streams made a task
         for each (131,072 of them on one connection: +192 MB) before any wait could refuse it."""
         caller = getattr(request, "caller", None)
-        if caller is None:
+        if caller is None or (kind == "heartbeat" and request.relayed):
+            # A relay's heartbeat speaks for all its ranks: charged to one of them, that rank's
+            # parked operations would refuse it for the others (the stream's own bound holds it).
             return None
         try:
             member = self._state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, kind,
@@ -669,12 +671,16 @@ class Servicer(StoreOps):
         ranks, incarnations, generations = request.also_ranks, request.also_incarnations, request.also_generations
         ages, same = request.also_age_s, request.also_progress_same
         count = len(ranks)
-        if not (len(incarnations) == len(generations) == len(ages) == count) or len(same) not in (0, count) \
-                or count > state.world_size:
+        if not (len(incarnations) == len(generations) == len(ages) == count) or len(same) not in (0, count):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"a relayed heartbeat names {count} ranks with {len(incarnations)} processes, "
-                        f"{len(generations)} generations, {len(ages)} ages and {len(same)} progress flags "
-                        f"(one each; the job has {state.world_size} ranks).")
+                        f"{len(generations)} generations, {len(ages)} ages and {len(same)} progress flags (one each).")
+        if count and (count > state.world_size or min(ranks) < 0 or max(ranks) >= state.world_size):
+            # Why skipped one by one, not refused: the aggregate speaks for other ranks too.
+            keep = [i for i, r in enumerate(ranks) if 0 <= r < state.world_size]
+            ranks, incarnations, generations, ages = ([a[i] for i in keep] for a in (ranks, incarnations, generations,
+                                                                                     ages))
+            same, count = [same[i] for i in keep] if same else [], len(keep)
         job_id = request.caller.job_id
         if job_id != state.job_id:
             state.check_caller(job_id, request.caller.rank, request.caller.incarnation, request.caller.generation,

@@ -45,8 +45,12 @@ class ServerSession:
         self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
         # Why a bound: a client that sends operations that never complete (gets of keys nobody
-        # sets) must not grow the coordinator without limit.
+        # sets) must not grow the coordinator without limit. Why per rank (the process the
+        # operation is charged to, see Servicer.admit_op): a relay's stream carries many ranks,
+        # and one of them parking gets must not refuse the others' barriers.
         self._max_ops = max(1024, 2 * servicer.world_size + 64)
+        #: (rank, incarnation), or None for what is charged to nobody -> its operations waiting.
+        self._waiting: dict[tuple[int, int] | None, int] = {}
         # Why a bound on answers too: refusals come at once, so a client that sends and never
         # reads would pile them up here behind a write that flow control holds.
         self._max_results = 4 * self._max_ops
@@ -116,22 +120,32 @@ class ServerSession:
             self._refuse_at_once(op.id, "Session", Abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"Session operation {op.id} names no operation."))
             return
-        if len(self._tasks) >= self._max_ops:
-            self._refuse_at_once(op.id, f"Session {kind}", Abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{kind} refused: this Session stream already has {len(self._tasks)} operations waiting."))
-            return
         request = getattr(op, kind)
         try:
             charged = self._servicer.admit_op(kind, request)
         except Abort as exc:
             self._refuse_at_once(op.id, f"Session {kind}", exc)
             return
+        waiting = self._waiting.get(charged, 0)
+        if waiting >= self._max_ops:
+            if charged is not None:
+                self._servicer.release_op(charged)
+            self._refuse_at_once(op.id, f"Session {kind}", Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{kind} refused: this Session stream already has {waiting} operations waiting."))
+            return
+        self._waiting[charged] = waiting + 1
         task = asyncio.ensure_future(self._run(op.id, kind, operation, request))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _: self._ended(charged))
+
+    def _ended(self, charged: tuple[int, int] | None) -> None:
+        count = self._waiting.pop(charged, 1) - 1
+        if count > 0:
+            self._waiting[charged] = count
         if charged is not None:
-            task.add_done_callback(lambda _: self._servicer.release_op(charged))
+            self._servicer.release_op(charged)
 
     async def _run(self, op_id: int, kind: str, operation: Callable[[Servicer, Any, float | None], Awaitable[Any]],
                    request: Any) -> None:
