@@ -72,7 +72,7 @@ _UNARY = {"join": "Join", "set": "Set", "get": "Get", "barrier": "Barrier", "lea
 _THROUGH_OWN_RELAY = frozenset(("barrier", "get"))
 
 
-def _check_text(what: str, value: Any) -> None:
+def check_text(what: str, value: Any) -> None:
     """A key or name must be a str that UTF-8 can encode (a protobuf string): checked on the
     calling thread, since get and barrier requests are built later, on the background loop."""
     if not isinstance(value, str):
@@ -544,7 +544,7 @@ class CoordinatorClient:
 
     def set(self, key: str, value: bytes) -> None:
         """Stores ``value`` (bytes) under ``key`` for this generation."""
-        _check_text("key", key)
+        check_text("key", key)
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise ConfigError(f"value for key {key!r} must be bytes, not {type(value).__name__}.")
         what = f"rank {self.rank}: set {key!r}"
@@ -592,7 +592,7 @@ class CoordinatorClient:
 
     def get(self, key: str, timeout_s: float | None = None) -> bytes:
         """Returns the value under ``key``, waiting until some rank sets it or the deadline passes."""
-        _check_text("key", key)
+        check_text("key", key)
         what = f"rank {self.rank}: get {key!r}"
 
         def attempt(wait_s: float, call_s: float) -> pb.GetResponse:
@@ -606,7 +606,7 @@ class CoordinatorClient:
         on timeout raises :class:`RendezvousTimeout` naming the missing ranks. Reusing a name is fine."""
         if not isinstance(name, str) or not name:
             raise ConfigError(f"barrier name must be a non-empty str, not {name!r}.")
-        _check_text("barrier name", name)
+        check_text("barrier name", name)
         seq = self._barrier_seq.get(name, 0) + 1
         # Why: the seq advances even if this wait fails, since the coordinator recorded the arrival.
         self._barrier_seq[name] = seq

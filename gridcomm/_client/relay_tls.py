@@ -17,6 +17,7 @@ import grpc
 from gridcomm import _config
 from gridcomm._client.channel import make_aio_channel
 from gridcomm._errors import ConfigError
+from gridcomm._runtime import guard
 from gridcomm._wire import SERVICE_NAME
 
 
@@ -44,11 +45,7 @@ def server_credentials(tls: _config.TlsFiles | None) -> grpc.ServerCredentials |
     problem = serving_identity_problem(tls)
     if problem is not None:
         raise RelayTlsError(f"cannot host a relay: {problem}; set them, or GRIDCOMM_RELAY=off.")
-    if tls is None:
-        return None
-    assert tls.cert is not None and tls.key is not None
-    return grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca,
-                                       require_client_auth=tls.require_client_cert)
+    return guard.server_credentials(tls)
 
 
 async def dial_problem(target: str, tls: _config.TlsFiles | None, name: str | None = None) -> RelayTlsError | None:

@@ -77,8 +77,9 @@ _SIGNATURES: Mapping[str, str] = {
 }
 # Why generated: a wrapper with the collective's own parameters forwards them positionally, with
 # no *args/**kwargs packing: a generic wrapper costs about a microsecond a call, a sizeable share
-# of a small NCCL collective; this shape tens of ns. Its two clock reads time the call (how long this rank waits inside collectives: a straggler's
-# peers wait for it, so it waits least; see state.lag).
+# of a small NCCL collective; this shape tens of ns. Its two clock reads time the call (how long
+# this rank waits inside collectives: a straggler's peers wait for it, so it waits least; see
+# state.lag).
 # The flight record's line (when on) appends what the call asked, never the data or an array.
 _WRAPPER = """
 def {kind}({params}):

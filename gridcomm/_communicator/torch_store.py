@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from gridcomm._client.client import SHORT_CALL_S, CoordinatorClient
+from gridcomm._client.client import SHORT_CALL_S, CoordinatorClient, check_text
 from gridcomm._communicator.process_group import Job
 from gridcomm._errors import ConfigError, GridcommError, RendezvousTimeout
 from gridcomm._proto import coordinator_pb2 as pb
@@ -37,13 +37,8 @@ MAX_KEYS = 1024
 
 
 def _key(key: Any) -> str:
-    if not isinstance(key, str):
-        raise ConfigError(f"a TorchStore key must be a str, not {type(key).__name__}.")
-    try:
-        key.encode()
-    except UnicodeEncodeError as exc:
-        raise ConfigError(f"key {key!r} is not valid UTF-8 text ({exc.reason} at position {exc.start}).") from None
-    return key
+    check_text("a TorchStore key", key)
+    return str(key)
 
 
 def _value(key: str, value: Any) -> bytes:

@@ -43,6 +43,7 @@ from gridcomm._runtime.guard import (
     control_server_options,
     health_server_options,
     open_file_limit,
+    server_credentials,
 )
 from gridcomm._runtime.loop import drop_late_grpc_events
 from gridcomm._wire import SERVICE_NAME, UNDECODABLE, decoder
@@ -390,12 +391,7 @@ class Coordinator:
             health_servicer.register(server)
 
         target = _config.format_target(self.bind, self._requested_port)
-        credentials = None
-        if self.tls is not None:
-            assert self.tls.cert is not None and self.tls.key is not None
-            credentials = grpc.ssl_server_credentials(
-                [(self.tls.key, self.tls.cert)], root_certificates=self.tls.ca,
-                require_client_auth=self.tls.require_client_cert)
+        credentials = server_credentials(self.tls)
         # Why + world size: at a large job's start every rank's connection waits for its join to be
         # admitted, seconds on a busy coordinator; those are never what is dropped.
         admission = Admission("coordinator", CONTROL_UNAUTHENTICATED + self.world_size, authenticates=True)

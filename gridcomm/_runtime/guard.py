@@ -167,6 +167,17 @@ def token_problem(context: grpc.aio.ServicerContext, token: bytes | None) -> str
 MAX_STREAMS_PER_CONNECTION = 256
 
 
+def server_credentials(tls: Any) -> grpc.ServerCredentials | None:
+    """A gRPC server's credentials from the job's TLS files (a ``TlsFiles`` with its serving
+    certificate and key; None: plaintext): the job's CA verifies client certificates, required
+    where the job requires them. The coordinator and a relay serve alike."""
+    if tls is None:
+        return None
+    assert tls.cert is not None and tls.key is not None
+    return grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca,
+                                       require_client_auth=tls.require_client_cert)
+
+
 def control_server_options(max_connections: int) -> list[tuple[str, Any]]:
     """The options of a server of the control plane (the coordinator, a relay): a long-poll server
     CANCELs calls past ~1,000 parked waiters with the defaults, a second server on the same port
