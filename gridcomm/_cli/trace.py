@@ -2,7 +2,8 @@
 
 Per communicator: the last collective each rank completed and the one it is still in, where ranks
 called different collectives at the same number, and who is behind (rank, host, PID): the ranks
-whose last completed collective is the lowest, and the collective they did not enter.
+whose last completed collective is the lowest, and the collective they did not enter. For an NCCL
+rank "completed" is "returned" (enqueued); how far its GPU got, as last sampled, is added.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def merge(bodies: list[dict[str, Any]]) -> list[str]:
             if comm.get("inside"):
                 since = comm.get("inside_for_s")
                 now = f"; in #{comm['entered']} {comm.get('kind', '')}" + (f" for {since:.1f} s" if since else "")
+            if "gpu_completed" in comm:  # NCCL: a call returns once enqueued; the GPU's count is sampled
+                now += f"; #{comm['gpu_completed']} known complete on its GPU"
             lines.append(f"  {_who(body)}: completed {what}{now}")
             for record in comm.get("records", []):
                 calls.setdefault(record["number"], {}).setdefault(record["call"], []).append(body["rank"])

@@ -3,7 +3,9 @@
 Each communicator's tracker keeps its last ``GRIDCOMM_FLIGHT_RECORD`` (256) counted calls in a
 bounded ring: (number, kind, parameters, (size, dtype) or None, entered, returned), times on the
 monotonic clock, appended when a call returns; the call a rank is still in is read off the tracker
-(its kind, number and since when). With ``GRIDCOMM_TRACE_DIR`` set, every rank writes
+(its kind, number and since when). The NCCL backend appends its own entries as a call is enqueued
+(it returns before the GPU is done): (number, kind, entered, size, dtype, *parameters), written
+with whether the GPU sampler had found that collective complete (``complete_on_gpu``). With ``GRIDCOMM_TRACE_DIR`` set, every rank writes
 ``rank-N.json`` there at a ``RankFailedError`` (a death, a stall, a mismatch, a lost
 coordinator), at ``abort()`` and at SIGTERM; ``gridcomm trace DIR`` merges the files
 (gridcomm._cli.trace).
@@ -55,13 +57,26 @@ def call_text(kind: str, params: Any, shape: Any) -> str:
 def tracker_record(tracker: Any, members: Iterable[int] = ()) -> dict[str, Any]:
     """One communicator's part of a rank's file (``tracker``: gridcomm._client.tracker.Tracker)."""
     wall = time.time() - time.monotonic()
+    gpu_done = getattr(tracker, "gpu_completed", None)
+    completed = gpu_done() if gpu_done is not None else None
     records = []
-    for number, kind, params, shape, entered, returned in list(tracker.record or ()):
+    for entry in list(tracker.record or ()):
+        if entry[2].__class__ is float:  # NCCL's: (number, kind, entered, size, dtype, *parameters)
+            number, kind, entered = entry[0], entry[1], entry[2]
+            record = {"number": number, "call": call_text(kind, entry[5:], (entry[3], entry[4])), "kind": kind,
+                      "entered_unix_s": round(entered + wall, 6)}
+            if completed is not None:
+                record["complete_on_gpu"] = number <= completed
+            records.append(record)
+            continue
+        number, kind, params, shape, entered, returned = entry
         records.append({"number": number, "call": call_text(kind, params, shape), "kind": kind,
                         "entered_unix_s": round(entered + wall, 6), "took_s": round(returned - entered, 6)})
     now = time.monotonic()
     out: dict[str, Any] = {"name": tracker.name, "members": list(members), "entered": tracker.entered,
                            "kind": tracker.kind, "inside": tracker.inside, "records": records}
+    if completed is not None:
+        out["gpu_completed"] = completed
     if tracker.inside and tracker.started:
         out["inside_for_s"] = round(now - tracker.started, 6)
     return out

@@ -108,7 +108,7 @@ class Tracker:
     stall's naming, never hastens it."""
 
     __slots__ = ("name", "generation", "entered", "kind", "inside", "stream", "sampler", "_log", "_lock", "_seen",
-                 "_seen_at", "_probes", "inside_s", "started", "record", "_print")
+                 "_seen_at", "_probes", "inside_s", "started", "record", "_print", "gpu_inside", "gpu_completed")
 
     def __init__(self, name: str, generation: int, *, fingerprints: bool = False, record: int = 0) -> None:
         self.name = name
@@ -129,6 +129,11 @@ class Tracker:
         self.stream: Any = None
         #: NCCL: () -> (collectives known complete on the GPU, seconds its pending sample waited).
         self.sampler: Callable[[], tuple[int, float]] | None = None
+        #: NCCL: () -> estimated seconds inside collectives on the GPU in all (sampled GPU time, see
+        #: gridcomm._backends.nccl.timing), reported with inside_s; () -> collectives the sampler
+        #: last found complete on the GPU (for the flight record).
+        self.gpu_inside: Callable[[], float] | None = None
+        self.gpu_completed: Callable[[], int] | None = None
         #: Only with fingerprints: the running digest and the last collectives' fingerprints.
         self._log = DigestLog() if fingerprints else None
         #: The coordinator's DigestProbes not yet answered: (counts, with fingerprints).
@@ -191,10 +196,12 @@ class Tracker:
         started = self.started
         age_s = now - started if self.inside and started and started <= now else now - self._seen_at
         completed, gpu_wait_s = self.sampler() if self.sampler is not None else (0, 0.0)
+        # NCCL: the host's time in a call is its enqueue; the waiting is on the GPU.
+        inside_s = self.inside_s + (self.gpu_inside() if self.gpu_inside is not None else 0.0)
         return pb.Progress(communicator=self.name, entered=entered, kind=kind, age_s=max(0.0, age_s),
                            inside=self.inside, recent=recent[-entered:] if entered else [], completed=completed,
                            gpu_wait_s=gpu_wait_s, digest=digest, probe_counts=answers[0], probe_digests=answers[1],
-                           probe_prints=answers[2], probe_lost=answers[3], inside_s=self.inside_s)
+                           probe_prints=answers[2], probe_lost=answers[3], inside_s=inside_s)
 
     def probe(self, counts: Sequence[int], prints: bool) -> None:
         """The coordinator asks for the digests after ``counts`` (and their fingerprints when

@@ -155,6 +155,9 @@ class Communicator:
             backend.progress = self._tracker
         # NCCL: completion on the GPU, sampled (the backend counts its calls either way).
         self._tracker.sampler = getattr(backend, "gpu_progress", None)
+        self._tracker.gpu_inside = getattr(backend, "gpu_inside_s", None)
+        if counts_itself:  # its count is the tracker's (with fingerprints the backend counts apart)
+            self._tracker.gpu_completed = getattr(backend, "gpu_completed", None)
         for method in COLLECTIVES:
             call = getattr(backend, method)
             counted = method in COUNTED and not counts_itself

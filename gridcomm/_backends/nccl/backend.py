@@ -41,10 +41,13 @@ from gridcomm._backends.nccl import lifecycle, sharing
 from gridcomm._backends.nccl.engines import _TYPE_NAMES, _engine_for
 from gridcomm._backends.nccl.loader import _load_cupy, engine
 from gridcomm._backends.nccl.sampler import GpuSampler
+from gridcomm._backends.nccl.timing import MASK, GpuTimer
 from gridcomm._config.settings import NcclSettings
 from gridcomm._errors import ArgumentError, GridcommError
 
 log = logging.getLogger(__name__)
+
+_clock = time.monotonic
 
 
 def _check_sharing(cupy: Any, eng: Any, unique_id: bytes, rank: int, size: int) -> sharing.Marker | None:
@@ -66,12 +69,23 @@ def _check_sharing(cupy: Any, eng: Any, unique_id: bytes, rank: int, size: int) 
 class _Count:
     """A count nobody reads (until the communicator hands the backend its tracker)."""
 
-    __slots__ = ("entered", "kind", "stream")
+    __slots__ = ("entered", "kind", "stream", "record")
 
     def __init__(self) -> None:
         self.entered = 0
         self.kind = ""
         self.stream: Any = None
+        #: No flight record (with GRIDCOMM_DEBUG=collectives the communicator's wrappers keep it).
+        self.record: Any = None
+
+
+def _timer(cupy: Any) -> GpuTimer | None:
+    """Timing events for this device's collectives (see timing), None where CUDA refuses them."""
+    try:
+        return GpuTimer(lambda: cupy.cuda.Event(disable_timing=False), cupy.cuda.runtime.streamIsCapturing)
+    except Exception as exc:  # noqa: BLE001 - no straggler figure, but the communicator works
+        log.debug("NCCL collectives are not timed: %s", exc)
+        return None
 
 
 class NcclBackend:
@@ -152,9 +166,11 @@ class NcclBackend:
             self._c: Any = eng.handle(self._owner)
         else:
             self._defer_to_first_call()
-        #: GPU completion, sampled on a thread of its own (see gpu_progress and sampler).
+        #: GPU completion and the timed collectives' GPU time, sampled on a thread of its own
+        #: (see gpu_progress, sampler and timing).
         self._device_id = cupy.cuda.Device().id
-        self._sampler = GpuSampler(self._device_id)
+        self._timer = _timer(cupy)
+        self._sampler = GpuSampler(self._device_id, timer=self._timer)
 
     # ------------------------------------------------------------------ a split still under way
     _PER_CALL = ("_nccl_all_reduce", "_nccl_reduce", "_nccl_broadcast", "_nccl_reduce_scatter", "_nccl_all_gather",
@@ -227,6 +243,26 @@ class NcclBackend:
             _validate.check_contiguous(method, name, array)
         return nccl_type, array.size * mult
 
+    # ------------------------------------------------------------------ timed collectives
+    # Every timing.EVERY-th collective (by count, so the same one on every rank) runs through
+    # these: timing events recorded around it on its stream (see timing).
+    def _time_start(self, stream: Any) -> tuple[Any, Any] | None:
+        timer = self._timer
+        return None if timer is None else timer.start(stream)
+
+    def _timed(self, stream: Any, call: Callable[..., Any], *args: Any) -> None:
+        timer = self._timer
+        pair = None if timer is None else timer.start(stream)
+        if pair is None:
+            call(*args)
+            return
+        try:
+            call(*args)
+        except BaseException:
+            timer.cancel(pair)  # type: ignore[union-attr]
+            raise
+        timer.end(pair, stream)  # type: ignore[union-attr]
+
     # ------------------------------------------------------------------ collectives
     # all_reduce, broadcast, all_gather, send, recv and send_recv have a fast path: an identity
     # lookup of the dtype, C-contiguous CuPy arrays (``_c_contiguous``, a plain attribute, where
@@ -236,7 +272,7 @@ class NcclBackend:
     # the precise ArgumentError through ``on_invalid``, or return the NCCL arguments.
     def all_reduce(self, in_array: Any, out_array: Any, op: str = "sum", stream: Any = None) -> None:
         counter = self.progress  # the communicator's count of collectives entered
-        counter.entered += 1
+        counter.entered = n = counter.entered + 1
         counter.kind = "all_reduce"
         counter.stream = st = self._current_stream() if stream is None else stream
         s = st.ptr
@@ -251,8 +287,14 @@ class NcclBackend:
             fast = False
         if not fast:
             nccl_type, count, code = self._all_reduce_args(in_array, out_array, op)
-        self._nccl_all_reduce(in_array.data.ptr, out_array.data.ptr, count, nccl_type, code, self._c,
-                              s)
+        rec = counter.record  # the flight record (see gridcomm._client.flight): what was asked, never an array
+        if rec is not None:
+            rec.append((n, "all_reduce", _clock(), in_array.size, in_array.dtype, op))
+        if n & MASK:
+            self._nccl_all_reduce(in_array.data.ptr, out_array.data.ptr, count, nccl_type, code, self._c, s)
+        else:
+            self._timed(st, self._nccl_all_reduce, in_array.data.ptr, out_array.data.ptr, count, nccl_type, code,
+                        self._c, s)
 
     @_validate.reports_invalid
     def _all_reduce_args(self, in_array: Any, out_array: Any, op: str) -> tuple[int, int, int]:
@@ -263,19 +305,25 @@ class NcclBackend:
     @_validate.reports_invalid
     def reduce(self, in_array: Any, out_array: Any, root: int = 0, op: str = "sum", stream: Any = None) -> None:
         counter = self.progress  # the communicator's count of collectives entered
-        counter.entered += 1
+        counter.entered = n = counter.entered + 1
         counter.kind = "reduce"
         counter.stream = st = self._current_stream() if stream is None else stream
         s = st.ptr
         root = _validate.reduce(in_array, out_array, root, op, self.rank, self.world_size)
         nccl_type, count = self._typed(in_array, "reduce", "in_array")
         out_ptr = out_array.data.ptr if self.rank == root else in_array.data.ptr
-        self._nccl_reduce(in_array.data.ptr, out_ptr, count, nccl_type, self._ops[op], root, self._c,
-                          s)
+        rec = counter.record
+        if rec is not None:
+            rec.append((n, "reduce", _clock(), in_array.size, in_array.dtype, root, op))
+        if n & MASK:
+            self._nccl_reduce(in_array.data.ptr, out_ptr, count, nccl_type, self._ops[op], root, self._c, s)
+        else:
+            self._timed(st, self._nccl_reduce, in_array.data.ptr, out_ptr, count, nccl_type, self._ops[op], root,
+                        self._c, s)
 
     def broadcast(self, in_out_array: Any, root: int = 0, stream: Any = None) -> None:
         counter = self.progress  # the communicator's count of collectives entered
-        counter.entered += 1
+        counter.entered = n = counter.entered + 1
         counter.kind = "broadcast"
         counter.stream = st = self._current_stream() if stream is None else stream
         s = st.ptr
@@ -288,8 +336,13 @@ class NcclBackend:
         if not fast:
             nccl_type, count, root = self._broadcast_args(in_out_array, root)
         ptr = in_out_array.data.ptr
-        self._nccl_broadcast(ptr, ptr, count, nccl_type, root, self._c,
-                             s)
+        rec = counter.record
+        if rec is not None:
+            rec.append((n, "broadcast", _clock(), in_out_array.size, in_out_array.dtype, root))
+        if n & MASK:
+            self._nccl_broadcast(ptr, ptr, count, nccl_type, root, self._c, s)
+        else:
+            self._timed(st, self._nccl_broadcast, ptr, ptr, count, nccl_type, root, self._c, s)
 
     @_validate.reports_invalid
     def _broadcast_args(self, in_out_array: Any, root: int) -> tuple[int, int, int]:
@@ -300,18 +353,25 @@ class NcclBackend:
     @_validate.reports_invalid
     def reduce_scatter(self, in_array: Any, out_array: Any, count: int, op: str = "sum", stream: Any = None) -> None:
         counter = self.progress  # the communicator's count of collectives entered
-        counter.entered += 1
+        counter.entered = n = counter.entered + 1
         counter.kind = "reduce_scatter"
         counter.stream = st = self._current_stream() if stream is None else stream
         s = st.ptr
         count = _validate.reduce_scatter(in_array, out_array, count, op, self.world_size)
         nccl_type, mult = self._dtypes[in_array.dtype]
-        self._nccl_reduce_scatter(in_array.data.ptr, out_array.data.ptr, count * mult, nccl_type, self._ops[op],
-                                  self._c, s)
+        rec = counter.record
+        if rec is not None:
+            rec.append((n, "reduce_scatter", _clock(), in_array.size, in_array.dtype, count, op))
+        if n & MASK:
+            self._nccl_reduce_scatter(in_array.data.ptr, out_array.data.ptr, count * mult, nccl_type, self._ops[op],
+                                      self._c, s)
+        else:
+            self._timed(st, self._nccl_reduce_scatter, in_array.data.ptr, out_array.data.ptr, count * mult, nccl_type,
+                        self._ops[op], self._c, s)
 
     def all_gather(self, in_array: Any, out_array: Any, count: int, stream: Any = None) -> None:
         counter = self.progress  # the communicator's count of collectives entered
-        counter.entered += 1
+        counter.entered = n = counter.entered + 1
         counter.kind = "all_gather"
         counter.stream = st = self._current_stream() if stream is None else stream
         s = st.ptr
@@ -325,8 +385,14 @@ class NcclBackend:
             fast = False
         if not fast:
             nccl_type, mult, count = self._all_gather_args(in_array, out_array, count)
-        self._nccl_all_gather(in_array.data.ptr, out_array.data.ptr, count * mult, nccl_type, self._c,
-                              s)
+        rec = counter.record
+        if rec is not None:
+            rec.append((n, "all_gather", _clock(), in_array.size, in_array.dtype, count))
+        if n & MASK:
+            self._nccl_all_gather(in_array.data.ptr, out_array.data.ptr, count * mult, nccl_type, self._c, s)
+        else:
+            self._timed(st, self._nccl_all_gather, in_array.data.ptr, out_array.data.ptr, count * mult, nccl_type,
+                        self._c, s)
 
     @_validate.reports_invalid
     def _all_gather_args(self, in_array: Any, out_array: Any, count: int) -> tuple[int, int, int]:
@@ -396,12 +462,16 @@ class NcclBackend:
     @_validate.reports_invalid
     def scatter(self, in_array: Any, out_array: Any, root: int = 0, stream: Any = None) -> None:
         counter = self.progress  # the communicator's count of collectives entered
-        counter.entered += 1
+        counter.entered = n = counter.entered + 1
         counter.kind = "scatter"
         counter.stream = st = self._current_stream() if stream is None else stream
         s = st.ptr
         root = _validate.scatter(in_array, out_array, root, self.rank, self.world_size)
         out_type, out_count = self._typed(out_array, "scatter", "out_array")
+        rec = counter.record
+        if rec is not None:
+            rec.append((n, "scatter", _clock(), out_array.size, out_array.dtype, root))
+        pair = None if n & MASK else self._time_start(st)
         self._group_start()
         send, recv, c = self._nccl_send, self._nccl_recv, self._c  # after group_start (see send_recv)
         try:
@@ -411,16 +481,22 @@ class NcclBackend:
             recv(out_array.data.ptr, out_count, out_type, root, c, s)
         finally:
             self._group_end()
+        if pair is not None:
+            self._timer.end(pair, st)  # type: ignore[union-attr]
 
     @_validate.reports_invalid
     def gather(self, in_array: Any, out_array: Any, root: int = 0, stream: Any = None) -> None:
         counter = self.progress  # the communicator's count of collectives entered
-        counter.entered += 1
+        counter.entered = n = counter.entered + 1
         counter.kind = "gather"
         counter.stream = st = self._current_stream() if stream is None else stream
         s = st.ptr
         root = _validate.gather(in_array, out_array, root, self.rank, self.world_size)
         in_type, in_count = self._typed(in_array, "gather", "in_array")
+        rec = counter.record
+        if rec is not None:
+            rec.append((n, "gather", _clock(), in_array.size, in_array.dtype, root))
+        pair = None if n & MASK else self._time_start(st)
         self._group_start()
         send, recv, c = self._nccl_send, self._nccl_recv, self._c  # after group_start (see send_recv)
         try:
@@ -430,17 +506,23 @@ class NcclBackend:
             send(in_array.data.ptr, in_count, in_type, root, c, s)
         finally:
             self._group_end()
+        if pair is not None:
+            self._timer.end(pair, st)  # type: ignore[union-attr]
 
     @_validate.reports_invalid
     def all_to_all(self, in_array: Any, out_array: Any, stream: Any = None) -> None:
         counter = self.progress  # the communicator's count of collectives entered
-        counter.entered += 1
+        counter.entered = n = counter.entered + 1
         counter.kind = "all_to_all"
         counter.stream = st = self._current_stream() if stream is None else stream
         s = st.ptr
         _validate.all_to_all(in_array, out_array, self.world_size)
         nccl_type, mult = self._dtypes[in_array.dtype]
         count = in_array.size // self.world_size * mult
+        rec = counter.record
+        if rec is not None:
+            rec.append((n, "all_to_all", _clock(), in_array.size, in_array.dtype))
+        pair = None if n & MASK else self._time_start(st)
         self._group_start()
         send, recv, c = self._nccl_send, self._nccl_recv, self._c  # after group_start (see send_recv)
         try:
@@ -449,6 +531,8 @@ class NcclBackend:
                 recv(out_array[peer].data.ptr, count, nccl_type, peer, c, s)
         finally:
             self._group_end()
+        if pair is not None:
+            self._timer.end(pair, st)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ support
     def split(self, color: int, key: int, new_rank: int, new_size: int, hooks: Hooks = NO_HOOKS) -> NcclBackend | None:
@@ -469,7 +553,9 @@ class NcclBackend:
         child.__dict__.update(self.__dict__)
         child.rank, child.world_size, child._owner, child._c = new_rank, new_size, comm, comm
         child._marker = None  # the parent's mark is the parent's to remove
-        child._sampler = GpuSampler(self._device_id)  # its own collectives, its own samples
+        child.progress = _Count()  # the communicator hands the child its own tracker
+        child._timer = _timer(self._cupy)  # its own collectives, its own samples
+        child._sampler = GpuSampler(self._device_id, timer=child._timer)
         child.on_invalid = hooks.on_invalid
         return child
 
@@ -491,6 +577,17 @@ class NcclBackend:
         if self._owner is None:
             return self._sampler.completed, 0.0
         return self._sampler.poll(counter.entered, counter.stream)
+
+    def gpu_completed(self) -> int:
+        """How many of this communicator's collectives the sampler last found complete on the GPU
+        (for the flight record; never calls CUDA)."""
+        return self._sampler.completed
+
+    def gpu_inside_s(self) -> float:
+        """Estimated seconds this rank's collectives here spent inside on the GPU in all (see
+        timing; 0 until a timed collective was read)."""
+        timer = self._timer
+        return 0.0 if timer is None else timer.inside_s()
 
     def synchronize(self) -> None:
         self._current_stream().synchronize()

@@ -9,7 +9,8 @@ calls the CUDA driver through ctypes, which releases the GIL for the call, so a 
 blocks while the GPU hangs (a driver lock held by a stream synchronize, an NCCL enqueue) blocks
 that thread only: the heartbeats go on and report the wait growing, and the coordinator names the
 GPU hang at its stall bound. The time a CUDA call of the sampler has been blocked counts as
-waiting too (no sample could be taken meanwhile).
+waiting too (no sample could be taken meanwhile). The same thread reads the elapsed time of the
+collectives the backend timed (gridcomm._backends.nccl.timing), once their end event completed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import logging
 import threading
 import time
 from typing import Any, Protocol
+
+from gridcomm._backends.nccl.timing import GpuTimer
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,7 @@ class Driver(Protocol):
     def record(self, event: Any, stream: int) -> None: ...
     def query(self, event: Any) -> bool: ...
     def destroy_event(self, event: Any) -> None: ...
+    def elapsed(self, start: int, end: int) -> float | None: ...
 
 
 class CudaDriver:
@@ -81,13 +85,21 @@ class CudaDriver:
     def destroy_event(self, event: Any) -> None:
         self._call("cuEventDestroy_v2", event)
 
+    def elapsed(self, start: int, end: int) -> float | None:
+        """Milliseconds between two timing events (raw handles), None while ``end`` is pending."""
+        ms = ctypes.c_float()
+        result = self._call("cuEventElapsedTime", ctypes.byref(ms), ctypes.c_void_p(start), ctypes.c_void_p(end))
+        return None if result == _NOT_READY else float(ms.value)
+
 
 class GpuSampler:
     """One communicator's GPU progress sampler (see the module docstring)."""
 
-    def __init__(self, device: int, driver: Driver | None = None) -> None:
+    def __init__(self, device: int, driver: Driver | None = None, timer: GpuTimer | None = None) -> None:
         self._device = device
         self._driver = driver
+        #: The communicator's timed collectives, read here (None: none are timed).
+        self.timer = timer
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._stopped = False
@@ -147,6 +159,9 @@ class GpuSampler:
                 if stopped:
                     self._cuda(driver.destroy_event, event)  # CUDA frees it once the GPU is done with it
                     return
+                timer = self.timer
+                if timer is not None and timer.pending:
+                    timer.collect(lambda start, end: self._cuda(driver.elapsed, start, end))
                 if pending is not None:
                     if not self._cuda(driver.query, event):
                         continue
