@@ -54,7 +54,7 @@ if [ -n "${NCCL_LIB:-}" ]; then
   export LD_PRELOAD=$NCCL_LIB${LD_PRELOAD:+:$LD_PRELOAD} LD_LIBRARY_PATH=$(dirname "$NCCL_LIB")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
 python3 -c "from gridcomm._backends import nccl as n; from gridcomm._backends.nccl import sharing as s; print('NCCL for several ranks per GPU:', s.version_text(n.nccl_version()))" 2>&1 | tee -a "$OUT/gpu.txt"
-python3 -m pytest -m "gpu or multi_gpu" -v -s -p no:cacheprovider tests/test_gpu.py tests/test_gpu_ranks.py \
+python3 -m pytest -m "gpu or multi_gpu" -v -s -p no:cacheprovider tests/test_gpu.py tests/test_gpu_ranks.py tests/test_gpu_hangs.py \
   tests/test_conformance.py 2>&1 | tee "$OUT/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
 # CuPy's binding stays the engine where nccl4py is missing: its conformance too.
