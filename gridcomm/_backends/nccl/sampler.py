@@ -50,6 +50,9 @@ class CudaDriver:
 
     def __init__(self) -> None:
         self._cuda = ctypes.CDLL("libcuda.so.1")
+        # The same call under both names (a driver may export only the newer one).
+        self._elapsed = next((n for n in ("cuEventElapsedTime", "cuEventElapsedTime_v2") if hasattr(self._cuda, n)),
+                             "cuEventElapsedTime")
 
     def _call(self, name: str, *args: Any) -> int:
         result = int(getattr(self._cuda, name)(*args))
@@ -88,7 +91,7 @@ class CudaDriver:
     def elapsed(self, start: int, end: int) -> float | None:
         """Milliseconds between two timing events (raw handles), None while ``end`` is pending."""
         ms = ctypes.c_float()
-        result = self._call("cuEventElapsedTime", ctypes.byref(ms), ctypes.c_void_p(start), ctypes.c_void_p(end))
+        result = self._call(self._elapsed, ctypes.byref(ms), ctypes.c_void_p(start), ctypes.c_void_p(end))
         return None if result == _NOT_READY else float(ms.value)
 
 
