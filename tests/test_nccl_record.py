@@ -232,42 +232,55 @@ def test_the_sampler_thread_reads_timed_pairs_in_order_once_complete():
         driver.times_ms.update({ends[0]: 3.0, ends[2]: 2.0})
         _poll_until(sampler, lambda: timer.samples == 3, "the pairs were not read")
         assert timer.pending == 0 and timer.sampled_s == pytest.approx(0.012)
-        assert timer.inside_s() == pytest.approx(0.012 * timing.EVERY)
+        assert timer.inside_s(10) == pytest.approx(10 * 0.004)  # 10 collectives at the mean sample, 4 ms
+        assert timer.inside_s(12) == pytest.approx(12 * 0.004)
         assert [end for _, end in driver.asked[-3:]] == ends  # in the order they were recorded
         assert timer.start(STREAM) is not None  # read pairs are free again
     finally:
         sampler.stop()
 
 
-def test_a_rank_that_spends_least_gpu_time_inside_is_the_straggler():
-    """Two NCCL ranks' reports as their trackers write them: rank 0's timed collectives spin
-    41 ms on the GPU waiting for rank 1, rank 1's take 1 ms. The coordinator's entry lag names
-    rank 1, from the same figure the host backend reports (seconds inside collectives in all)."""
+def _simulated_lag(times_ms: list[float], offsets: list[int], per_heartbeat: int = 25) -> EntryLag:
+    """Ranks' reports as their trackers write them: each rank's timed collectives take
+    ``times_ms[rank]`` on the GPU; rank r reports every ``per_heartbeat`` collectives, first
+    after ``offsets[r]`` (heartbeats are not in step with the loop, nor with each other)."""
     lag = EntryLag()
-    trackers, timers = [], []
-    for _ in range(2):
+    for rank, (ms, offset) in enumerate(zip(times_ms, offsets, strict=True)):
         tracker = Tracker("world", 1)
         timer = GpuTimer(lambda: Event([]), lambda ptr: False)
-        tracker.gpu_inside = timer.inside_s
-        trackers.append(tracker)
-        timers.append(timer)
-    per_heartbeat = 25  # collectives between two heartbeats: a sample every 2-3 heartbeats
-    for _beat in range(40):
-        for rank, (tracker, timer) in enumerate(zip(trackers, timers, strict=True)):
-            before = tracker.entered
-            tracker.entered += per_heartbeat
-            for n in range(before + 1, tracker.entered + 1):
-                if not n & timing.MASK:
+        tracker.gpu_inside = lambda t=tracker, tm=timer: tm.inside_s(t.entered)
+        for beat in range(60):
+            target = offset + beat * per_heartbeat
+            while tracker.entered < target:
+                tracker.entered += 1
+                if not tracker.entered & timing.MASK:
                     pair = timer.start(STREAM)
                     assert pair is not None
                     timer.end(pair, STREAM)
-            timer.collect(lambda start, end, rank=rank: 41.0 if rank == 0 else 1.0)
+            timer.collect(lambda start, end, ms=ms: ms)
             report = tracker.progress()
             if report.inside_s > 0:
                 lag.report(report.communicator, rank, report.entered, report.inside_s)
+    return lag
+
+
+def test_a_rank_that_spends_least_gpu_time_inside_is_the_straggler():
+    """Rank 0's timed collectives spin 41 ms on the GPU waiting for rank 1, rank 1's take 1 ms:
+    the coordinator's entry lag names rank 1, from the same figure the host backend reports
+    (seconds inside collectives in all)."""
+    lag = _simulated_lag([41.0, 1.0], [0, 0])
     lags = lag.lags()
-    assert lags[1][0] > 0.02 and lags[0][0] == 0.0, lags
+    assert 0.035 < lags[1][0] < 0.045 and lags[0][0] == 0.0, lags
     assert [s.rank for s in lag.stragglers()] == [1]
+
+
+def test_ranks_that_wait_alike_are_never_stragglers_however_their_reports_fall():
+    """Two ranks whose collectives take 20 ms each, reporting out of step: a window of 8 reports
+    holds two samples on one rank and three on the other, which must not read as lag."""
+    for offset in (0, 7, 12, 19):
+        lag = _simulated_lag([20.0, 20.0], [0, offset])
+        assert lag.stragglers() == [], (offset, lag.lags())
+        assert all(value < 0.001 for value, _ in lag.lags().values()), (offset, lag.lags())
 
 
 def test_timing_events_are_made_on_the_device_at_construction_only(monkeypatch):

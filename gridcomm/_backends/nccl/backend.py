@@ -587,7 +587,7 @@ class NcclBackend:
         """Estimated seconds this rank's collectives here spent inside on the GPU in all (see
         timing; 0 until a timed collective was read)."""
         timer = self._timer
-        return 0.0 if timer is None else timer.inside_s()
+        return 0.0 if timer is None else timer.inside_s(self.progress.entered)
 
     def synchronize(self) -> None:
         self._current_stream().synchronize()

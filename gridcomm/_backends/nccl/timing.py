@@ -8,9 +8,11 @@ the backend records a timing CUDA event on the call's stream before and after it
 from a small pool of event pairs; none free, or a stream being captured into a graph: not timed).
 The sampler's thread (gridcomm._backends.nccl.sampler) reads each pair's elapsed time once its
 end event has completed. :meth:`GpuTimer.inside_s` is then an estimate of the seconds this rank's
-collectives spent inside on the GPU in all (each sample stands for the ``EVERY`` collectives since
-the previous one), the figure the coordinator's entry lag compares between ranks
-(gridcomm._coordinator.state.lag), as it compares host time on the host backend.
+collectives spent inside on the GPU in all, the figure the coordinator's entry lag compares between
+ranks (gridcomm._coordinator.state.lag), as it compares host time on the host backend: at each
+report, the collectives entered since the last one count at the mean of the last :data:`RECENT`
+samples. Why not each sample times ``EVERY``: a heartbeat's window would then hold two samples on
+one rank and three on another, a difference that reads as lag between ranks that wait alike.
 
 A non-sampled call pays one integer test (``count & MASK``).
 """
@@ -31,6 +33,8 @@ EVERY = 64
 MASK = EVERY - 1
 #: Event pairs per communicator: samples recorded but not yet read by the sampler's thread.
 POOL = 4
+#: Samples the mean time inside is taken over.
+RECENT = 8
 
 
 class GpuTimer:
@@ -50,6 +54,10 @@ class GpuTimer:
         #: Read elapsed times: how many, and their sum in seconds.
         self.samples = 0
         self.sampled_s = 0.0
+        self._recent: collections.deque[float] = collections.deque(maxlen=RECENT)
+        #: The estimate so far, and the count it covers (see inside_s).
+        self._estimate = 0.0
+        self._counted = 0
         #: Collectives not timed for want of a free pair, or because their stream was capturing.
         self.skipped = 0
         self._broken = False
@@ -105,10 +113,12 @@ class GpuTimer:
             ms = elapsed_ms(pair[0].ptr, pair[1].ptr)
             if ms is None:
                 return read
+            seconds = max(0.0, float(ms)) / 1000.0
             with self._lock:
                 self._recorded.popleft()
                 self.samples += 1
-                self.sampled_s += max(0.0, float(ms)) / 1000.0
+                self.sampled_s += seconds
+                self._recent.append(seconds)
             self._free.append(pair)
             read += 1
 
@@ -118,7 +128,15 @@ class GpuTimer:
             return len(self._recorded)
 
     # ------------------------------------------------------------------ reports
-    def inside_s(self) -> float:
-        """Estimated seconds inside this communicator's collectives on the GPU in all: each
-        sample stands for the ``every`` collectives up to it (grows as samples are read)."""
-        return self.sampled_s * self.every
+    def inside_s(self, entered: int) -> float:
+        """Estimated seconds inside this communicator's first ``entered`` collectives on the GPU
+        (called once per report): those entered since the last call count at the mean of the
+        recent samples; 0 until a sample was read (then every collective so far counts at it)."""
+        with self._lock:
+            if not self._recent:
+                return 0.0
+            mean = sum(self._recent) / len(self._recent)
+            if entered > self._counted:
+                self._estimate += (entered - self._counted) * mean
+                self._counted = entered
+            return self._estimate
