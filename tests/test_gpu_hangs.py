@@ -10,6 +10,8 @@ skipped, saying why, otherwise; see tests/support/gpus.py).
 - A rank 40 ms slower per step (a host sleep before its all_reduce, GPU work between): its entry
   lag, measured from sampled GPU time inside collectives, is the largest, the coordinator's
   status names it, nobody is failed.
+- One rank (any NCCL): the flight record's NCCL entries, GPU timing samples read through the CUDA
+  driver, none recorded on a stream being captured into a graph, and a split child's own samples.
 
 One OS process per rank, a coordinator in the test process.
 """
@@ -211,3 +213,84 @@ def test_an_nccl_rank_slower_per_step_is_named_a_straggler_from_gpu_time(tmp_pat
         assert "DONE" in results[rank].stdout, everything  # nobody was failed
     assert not server.state.failures
     print(f"\nNCCL entry lags (sampled GPU time): { {r: round(v * 1000, 1) for r, v in sorted(by_rank.items())} } ms")
+
+
+ONE_RANK = r"""
+import json, os, time
+import cupy
+import gridcomm
+from gridcomm._backends.nccl import timing
+from gridcomm._client import flight
+
+comm = gridcomm.init_process_group(1, 0, backend="nccl", timeout_s=120)
+backend = comm._backend
+x = cupy.ones(4, dtype=cupy.float32)
+y = cupy.zeros(4, dtype=cupy.float32)
+stream = cupy.cuda.get_current_stream()
+for i in range(3 * timing.EVERY):
+    comm.all_reduce(x, y, "sum")
+    if i % 10 == 0:
+        stream.synchronize()
+comm.reduce(x, y, 0, "max")
+comm.broadcast(x, 0)
+comm.reduce_scatter(x, y, 4)
+comm.all_gather(x, y, 4)
+stream.synchronize()
+
+
+def until(ok, timeout_s=30):
+    deadline = time.monotonic() + timeout_s
+    while not ok() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+until(lambda: backend._timer.samples >= 3 and backend.gpu_completed() >= comm._tracker.entered)
+out = {"samples": backend._timer.samples, "sampled_s": backend._timer.sampled_s,
+       "inside_s": comm._tracker.progress().inside_s, "record": flight.tracker_record(comm._tracker)}
+capturing = cupy.cuda.Stream(non_blocking=True)
+skipped = backend._timer.skipped
+with capturing:
+    comm.all_reduce(x, y)
+    capturing.synchronize()
+    capturing.begin_capture()
+    for _ in range(2 * timing.EVERY):
+        comm.all_reduce(x, y)
+    graph = capturing.end_capture()
+    graph.launch(capturing)
+    capturing.synchronize()
+out["capture_skipped"] = backend._timer.skipped - skipped
+out["after_graph"] = float(y[0].get())
+child = comm.split(0)
+for _ in range(2 * timing.EVERY):
+    child.all_reduce(x, y)
+stream.synchronize()
+until(lambda: child._backend._timer.samples >= 2)
+out["child_samples"] = child._backend._timer.samples
+out["child_entries"] = len(child._tracker.record or ())
+comm.stop()
+print("RESULT", json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_one_rank_records_nccl_entries_and_reads_gpu_time():
+    placed = ranks_on_gpus(1)
+    env = {"GRIDCOMM_BIND": "127.0.0.1", "GRIDCOMM_PORT": str(free_port()), "GRIDCOMM_HEARTBEAT_TIMEOUT_S": "3",
+           "NCCL_NVLS_ENABLE": "0"}
+    results = RankProcesses(ONE_RANK, 1, env=env, per_rank_env=placed).wait(240)
+    everything = report(results)
+    (line,) = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")] or [""]
+    assert line, everything
+    out = json.loads(line.split(" ", 1)[1])
+    # Every 64th collective timed, read through cuEventElapsedTime on the sampler's thread.
+    assert out["samples"] >= 3 and out["sampled_s"] > 0 and out["inside_s"] > 0, out
+    record = out["record"]
+    calls = [r["call"] for r in record["records"]]
+    assert calls[-5:] == ["all_reduce(op=sum, 4 x float32)", "reduce(root=0, op=max, 4 x float32)",
+                          "broadcast(root=0, 4 x float32)", "reduce_scatter(count=4, op=sum, 4 x float32)",
+                          "all_gather(count=4, 4 x float32)"], calls[-5:]
+    assert record["gpu_completed"] == record["entered"] >= 3 * 64 + 4, record
+    assert all(r["complete_on_gpu"] for r in record["records"]), record
+    # The captured calls took no events (two of them were due), and the graph ran.
+    assert out["capture_skipped"] == 2 and out["after_graph"] == 1.0, out
+    assert out["child_samples"] >= 2 and out["child_entries"] >= 2 * 64, out
