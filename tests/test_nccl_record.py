@@ -283,6 +283,20 @@ def test_ranks_that_wait_alike_are_never_stragglers_however_their_reports_fall()
         assert all(value < 0.001 for value, _ in lag.lags().values()), (offset, lag.lags())
 
 
+def test_a_capture_query_cuda_refuses_skips_that_sample_only():
+    answers = iter([RuntimeError("cudaErrorStreamCaptureImplicit"), False])
+
+    def is_capturing(ptr: int) -> bool:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    timer = GpuTimer(lambda: Event([]), is_capturing)
+    assert timer.start(STREAM) is None and timer.skipped == 1
+    assert timer.start(STREAM) is not None  # the next timed collective is timed
+
+
 def test_timing_events_are_made_on_the_device_at_construction_only(monkeypatch):
     """The pool is made once (on the backend's device, at construction): a sampled call never
     creates an event on whatever device is current then."""

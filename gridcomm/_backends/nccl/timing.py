@@ -74,10 +74,14 @@ class GpuTimer:
             self.skipped += 1
             return None
         try:
-            if self._is_capturing(stream.ptr):
-                self._free.append(pair)
-                self.skipped += 1
-                return None
+            capturing = self._is_capturing(stream.ptr)
+        except Exception:  # noqa: BLE001 - CUDA refuses the question (e.g. another capture): not now
+            capturing = True
+        if capturing:
+            self._free.append(pair)
+            self.skipped += 1
+            return None
+        try:
             pair[0].record(stream)
         except Exception as exc:  # noqa: BLE001 - a sample is a courtesy: never an error of the call
             log.debug("GPU timing off: recording an event failed: %s", exc)
