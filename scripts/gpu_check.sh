@@ -4,7 +4,7 @@
 # engine GRIDCOMM_NCCL_ENGINE picks (auto: nccl4py where it loads), the world-size-1 conformance
 # again with CuPy's binding (GRIDCOMM_NCCL_ENGINE=cupy), the per-call probes and the collective
 # benchmark at world size 1 and, with 2+ GPUs, 2 (one process per GPU), and leaves logs in $OUT
-# (or ./gpu-out): gpu.txt, gpu-tests.log, cupy-engine.log, probe.log, nccl-ranks.md/.json,
+# (or ./gpu-out): gpu.txt, gpu-tests.log, cupy-engine.log, probe.log (with nccl_record_cost.py), nccl-ranks.md/.json,
 # collectives-wsN.md/.json.
 # BENCH_ARGS adds arguments to both benchmark runs (e.g. "--rounds 5 --sweep-max 268435456").
 set -uo pipefail
@@ -65,6 +65,8 @@ python3 benchmarks/overhead_probe.py 2>&1 | tee "$OUT/probe.log"
 for engine in auto cupy; do
   GRIDCOMM_NCCL_ENGINE=$engine python3 benchmarks/callpath_probe.py --rounds 11 2>&1 | tee -a "$OUT/probe.log"
 done
+# The flight record's and GRIDCOMM_DEBUG=collectives' per-call cost on NCCL (world size 1).
+python3 benchmarks/nccl_record_cost.py 2>&1 | tee -a "$OUT/probe.log"
 # gridcomm against raw NCCL with 2 and 4 ranks (sharing GPUs where they are fewer): init and per call.
 python3 benchmarks/nccl_ranks.py --json "$OUT/nccl-ranks.json" 2>&1 | tee "$OUT/nccl-ranks.md"
 gpus=$(nvidia-smi -L | grep -c '^GPU')
