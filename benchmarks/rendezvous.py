@@ -141,6 +141,8 @@ class GridcommPeer(Peer):
         wall = time.time() - time.monotonic()
         servicer = handle._servicer
         return {"messages": dict(servicer.metrics.messages) if servicer is not None else {},
+                "first_contacts": dict(servicer.metrics.first_contacts) if servicer is not None else {},
+                "rpcs": {f"{m} {c}": n for (m, c), n in servicer.metrics.rpcs.items()} if servicer is not None else {},
                 "failed_ranks": len(failures),
                 "failures": [{"rank": f.rank, "at_unix_s": wall + f.at, "reason": f.reason[:300]} for f in failures[:5]]}
 

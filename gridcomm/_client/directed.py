@@ -7,13 +7,20 @@ jitter, so the ranks of a group whose relay is late do not come back together.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import random
 import time
 from typing import Any
 
+import grpc
+
 from gridcomm._errors import CoordinatorUnavailable, RendezvousTimeout
 from gridcomm._proto import coordinator_pb2 as pb
+from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from gridcomm._runtime import loop as _eventloop
+from gridcomm._wire import translate
 
 log = logging.getLogger("gridcomm")
 
@@ -30,6 +37,28 @@ def jittered(seconds: float) -> float:
     return seconds * (0.5 + random.random())
 
 
+def _ask_once(client: Any, request: pb.JoinRequest, what: str, timeout_s: float) -> pb.JoinResponse:
+    """One ask, on the background loop over the client's channel to the coordinator (the one its
+    Session stream would use). Why not the synchronous stub: a unary call there is a future, and
+    each synchronous channel with one in flight runs a thread of its own, which for thousands of
+    ranks in a process cost more CPU than the join."""
+    async def call() -> pb.JoinResponse:
+        stub = pb_grpc.CoordinatorStub(client.aio_channel())
+        answer: pb.JoinResponse = await stub.Join(request, timeout=timeout_s, metadata=client.metadata,
+                                                  wait_for_ready=True)
+        return answer
+
+    future = asyncio.run_coroutine_threadsafe(call(), _eventloop.loop())
+    try:
+        return future.result(timeout_s + 5.0)  # the slack: this process's loop may run behind
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise RendezvousTimeout(f"{what}: no answer from the coordinator at {client.target} within "
+                                f"{timeout_s:.1f} s.") from None
+    except grpc.RpcError as exc:
+        raise translate(exc, what, client.target) from None
+
+
 def ask(client: Any, until: float) -> pb.JoinResponse | None:
     """Asks the coordinator where ``client``'s rank joins, again as told, until it is told where
     or ``until`` (monotonic) passes. Returns the answer that directs it (``host_relay``,
@@ -44,8 +73,7 @@ def ask(client: Any, until: float) -> pb.JoinResponse | None:
                                  fanin=client.settings.relay_fanin or 0)
         asks += 1
         try:
-            answer: pb.JoinResponse = client._call(client._stub.Join, request, what, min(left, ASK_TIMEOUT_S),
-                                                   wait_for_ready=True)
+            answer = _ask_once(client, request, what, min(left, ASK_TIMEOUT_S))
         except (RendezvousTimeout, CoordinatorUnavailable) as exc:
             pause = min(max(0.0, until - time.monotonic()), jittered(backoff))
             log.debug("%s: no answer (%s); asking again in %.1f s", what, exc, pause)
