@@ -333,8 +333,6 @@ class CoordinatorClient:
             self._relay_rank = answer.leader  # a direct join's answer names the relay if one comes
         if answer.relay_address:
             self._relay_join = answer.relay_address
-            channel, self._aio = self._aio, None
-            _close_later(None, [channel] if channel is not None else [])
 
     def _host_relay(self, leader: int, fanin: int, template: str | None) -> None:
         """Hosts the relay of the group of ``fanin`` ranks that this rank (``leader``) leads."""

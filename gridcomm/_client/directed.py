@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from gridcomm._client.channel import make_aio_channel
 from gridcomm._errors import CoordinatorUnavailable, RendezvousTimeout
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
@@ -37,13 +38,34 @@ def jittered(seconds: float) -> float:
     return seconds * (0.5 + random.random())
 
 
-def _ask_once(client: Any, request: pb.JoinRequest, what: str, timeout_s: float) -> pb.JoinResponse:
-    """One ask, on the background loop over the client's channel to the coordinator (the one its
-    Session stream would use). Why not the synchronous stub: a unary call there is a future, and
-    each synchronous channel with one in flight runs a thread of its own, which for thousands of
-    ranks in a process cost more CPU than the join."""
+class Asker:
+    """The channel the asks go on: on the background loop, without the unary retry policy (the
+    asks are repeated here; parsing the policy costs as much as the rest of making a channel),
+    closed once the rank is directed. Why not the synchronous stub: a unary call there is a future,
+    and each synchronous channel with one in flight runs a thread of its own, which for thousands
+    of ranks in a process cost more CPU than the join."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.channel: grpc.aio.Channel | None = None
+
+    def stub(self) -> pb_grpc.CoordinatorStub:
+        if self.channel is None:
+            self.channel = make_aio_channel(self.client.target, self.client.tls, retries=False)
+        return pb_grpc.CoordinatorStub(self.channel)
+
+    def close(self) -> None:
+        channel, self.channel = self.channel, None
+        if channel is not None:
+            asyncio.run_coroutine_threadsafe(channel.close(), _eventloop.loop())
+
+
+def _ask_once(asker: Asker, request: pb.JoinRequest, what: str, timeout_s: float) -> pb.JoinResponse:
+    """One ask, on the background loop."""
+    client = asker.client
+
     async def call() -> pb.JoinResponse:
-        stub = pb_grpc.CoordinatorStub(client.aio_channel())
+        stub = asker.stub()
         answer: pb.JoinResponse = await stub.Join(request, timeout=timeout_s, metadata=client.metadata,
                                                   wait_for_ready=True)
         return answer
@@ -64,6 +86,14 @@ def ask(client: Any, until: float) -> pb.JoinResponse | None:
     or ``until`` (monotonic) passes. Returns the answer that directs it (``host_relay``,
     ``relay_address``, or neither: join directly), or None: no direction in time (or a
     coordinator that does not direct joins); the rank then joins the coordinator directly."""
+    asker = Asker(client)
+    try:
+        return _ask(client, asker, until)
+    finally:
+        asker.close()
+
+
+def _ask(client: Any, asker: Asker, until: float) -> pb.JoinResponse | None:
     what = f"rank {client.rank}: first contact"
     backoff = ASK_BACKOFF_S
     asks = 0
@@ -73,7 +103,7 @@ def ask(client: Any, until: float) -> pb.JoinResponse | None:
                                  fanin=client.settings.relay_fanin or 0)
         asks += 1
         try:
-            answer = _ask_once(client, request, what, min(left, ASK_TIMEOUT_S))
+            answer = _ask_once(asker, request, what, min(left, ASK_TIMEOUT_S))
         except (RendezvousTimeout, CoordinatorUnavailable) as exc:
             pause = min(max(0.0, until - time.monotonic()), jittered(backoff))
             log.debug("%s: no answer (%s); asking again in %.1f s", what, exc, pause)
