@@ -358,7 +358,9 @@ class CoordinatorClient:
         """Registers this rank and waits until every rank has joined; returns the generation."""
         self._join_sent = True
         total = self.timeout_s if timeout_s is None else _config.parse_duration("timeout_s", timeout_s)
-        self._tree(time.monotonic() + min(RELAY_JOIN_GRACE_S, total / 4))
+        # Why half the timeout: while the coordinator says "come back" (its group's relay is not up
+        # yet) the rank asks again; the coordinator itself sends it on after LEAD_GRACE_S.
+        self._tree(time.monotonic() + total / 2)
         relay_until = time.monotonic() + min(RELAY_JOIN_GRACE_S, total / 4)
         what = f"rank {self.rank}: join"
 

@@ -34,9 +34,11 @@ from gridcomm._proto import coordinator_pb2 as pb
 RETRY_MIN_S = 0.1
 RETRY_MAX_S = 2.0
 ASKS_PER_S = 4000.0
-#: A leader told to host a relay that has registered none this long after is taken for gone: its
-#: members then join the coordinator directly (slower at scale, never wrong).
-LEAD_GRACE_S = 15.0
+#: A leader told to host a relay that has registered none this long after (or one that has not
+#: asked this long after its group's first member did) is taken for gone: its members then join
+#: the coordinator directly (slower at scale, never wrong). Why the coordinator decides, not each
+#: member's own clock: members that gave up together at scale all dialled the coordinator at once.
+LEAD_GRACE_S = 30.0
 
 
 class Tree:
@@ -50,6 +52,8 @@ class Tree:
         self._fixed = configured
         #: leader -> when it was told to host its group's relay.
         self._told_lead: dict[int, float] = {}
+        #: leader -> when a member of its group first asked.
+        self._first_ask: dict[int, float] = {}
         #: rank -> the leader whose relay it was sent to.
         self._sent: dict[int, int] = {}
         #: Ranks told where to join (lead, relay or directly), each counted once.
@@ -100,8 +104,8 @@ class Tree:
             self._sent[rank] = leader
             answer.relay_address = address
             return self._settle(rank, "relay", answer)
-        told = self._told_lead.get(leader)
-        if leader_joined(leader) or (told is not None and now - told > LEAD_GRACE_S):
+        waited_since = self._told_lead.get(leader, self._first_ask.setdefault(leader, now))
+        if leader_joined(leader) or now - waited_since > LEAD_GRACE_S:
             return self._settle(rank, "direct", answer)  # its leader hosts no relay
         answer.retry_after_s = self.retry_after_s()
         return "retry", answer
