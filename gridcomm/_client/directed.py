@@ -28,14 +28,6 @@ log = logging.getLogger("gridcomm")
 #: The longest one ask may take (the coordinator answers at once; more is a coordinator that is
 #: not up yet or overloaded, and the ask is made again after a pause).
 ASK_TIMEOUT_S = 10.0
-#: A member's first ask waits about world size / FIRST_ASKS_PER_S (at most FIRST_PAUSE_MAX_S, with
-#: jitter). Why: its leader asks at once and starts the relay meanwhile, so the member's first ask
-#: usually finds the relay's address instead of a "come back", and the ranks' connections reach
-#: the coordinator spread out instead of all at one instant (8,192 ranks dialling at once
-#: overflowed its listen queue and starved their own processes' loops).
-FIRST_ASKS_PER_S = 4000.0
-FIRST_PAUSE_MAX_S = 2.0
-
 #: The pause after an ask that got no answer, doubled each time up to the maximum, with jitter.
 ASK_BACKOFF_S = 0.2
 ASK_BACKOFF_MAX_S = 2.0
@@ -105,11 +97,6 @@ def _ask(client: Any, asker: Asker, until: float) -> pb.JoinResponse | None:
     what = f"rank {client.rank}: first contact"
     backoff = ASK_BACKOFF_S
     asks = 0
-    if client.rank % client.settings.fanin(client.world_size):
-        # Not the leader by this rank's own settings (the coordinator's decide; they agree unless
-        # GRIDCOMM_RELAY_FANIN differs between them).
-        pause = jittered(min(FIRST_PAUSE_MAX_S, client.world_size / FIRST_ASKS_PER_S))
-        time.sleep(min(max(0.0, until - time.monotonic()), pause))
     while (left := until - time.monotonic()) > 0:
         request = pb.JoinRequest(job_id=client.job_id, rank=client.rank, world_size=client.world_size,
                                  incarnation=client.incarnation, hostname=client.hostname, first_contact=True,
