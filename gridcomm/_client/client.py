@@ -288,7 +288,7 @@ class CoordinatorClient:
             raise _progress.timed_out(what, total, timeout) from timeout
 
     # ------------------------------------------------------------------ API
-    def _tree(self, until: float) -> None:
+    def _tree(self, until: float | None = None) -> None:
         """The relay tree (GRIDCOMM_RELAY, GRIDCOMM_RELAY_FANIN): rank ``k x fanin`` hosts a relay
         for its group and joins directly; the others join through it. Where the relays' addresses
         are known (GRIDCOMM_RELAY_ADDRESSES) every rank decides alone; otherwise the coordinator
@@ -307,7 +307,7 @@ class CoordinatorClient:
             return
         template = settings.relay_addresses
         if template is None and not self._joined:
-            self._directed(until)
+            self._directed(time.monotonic() + self.timeout_s / 2 if until is None else until)
             return
         fanin = settings.fanin(self.world_size)
         leader = self.rank - self.rank % fanin
