@@ -38,7 +38,7 @@ ASKS_PER_S = 4000.0
 #: asked this long after its group's first member did) is taken for gone: its members then join
 #: the coordinator directly (slower at scale, never wrong). Why the coordinator decides, not each
 #: member's own clock: members that gave up together at scale all dialled the coordinator at once.
-LEAD_GRACE_S = 30.0
+LEAD_GRACE_S = 60.0
 
 
 class Tree:
