@@ -53,7 +53,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RANK_COUNTS = (8, 32, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 DEFAULT_RANKS = (8, 32, 128, 512, 2048)
-PEER_NAMES = ("gridcomm", "gridcomm-direct", "gridcomm+agent", "torch", "jax", "cupyx")
+PEER_NAMES = ("gridcomm", "gridcomm-no-template", "gridcomm-direct", "gridcomm+agent", "torch", "jax", "cupyx")
 BLOB = bytes(range(128))
 BLOB_KEY = "bench/blob"
 #: Up to this many ranks each rank is an OS process; above it, PROCESSES processes of threads.
@@ -141,6 +141,8 @@ class GridcommPeer(Peer):
         wall = time.time() - time.monotonic()
         servicer = handle._servicer
         return {"messages": dict(servicer.metrics.messages) if servicer is not None else {},
+                "first_contacts": dict(servicer.metrics.first_contacts) if servicer is not None else {},
+                "rpcs": {f"{m} {c}": n for (m, c), n in servicer.metrics.rpcs.items()} if servicer is not None else {},
                 "failed_ranks": len(failures),
                 "failures": [{"rank": f.rank, "at_unix_s": wall + f.at, "reason": f.reason[:300]} for f in failures[:5]]}
 
@@ -185,6 +187,18 @@ class GridcommDirectPeer(GridcommPeer):
 
     def start_process(self, port: int, world: int, timeout_s: float) -> None:
         os.environ["GRIDCOMM_RELAY"] = "off"
+        self.start_loop()
+
+
+class GridcommNoTemplatePeer(GridcommPeer):
+    """gridcomm launched the way Slurm, bare metal or a user's own launcher start it: every rank
+    its own client, the relay tree on from 256 ranks (GRIDCOMM_RELAY=auto), but no address
+    template, so no rank knows where its group's relay listens before it asks the coordinator."""
+
+    name = "gridcomm-no-template"
+
+    def start_process(self, port: int, world: int, timeout_s: float) -> None:
+        os.environ.pop("GRIDCOMM_RELAY_ADDRESSES", None)
         self.start_loop()
 
 
@@ -327,7 +341,7 @@ class CupyxPeer(Peer):
 
 
 PEERS: dict[str, Callable[[], Peer]] = {
-    "gridcomm": GridcommPeer, "gridcomm-direct": GridcommDirectPeer, "gridcomm+agent": GridcommRelayPeer, "torch": TorchPeer, "jax": JaxPeer, "cupyx": CupyxPeer,
+    "gridcomm": GridcommPeer, "gridcomm-no-template": GridcommNoTemplatePeer, "gridcomm-direct": GridcommDirectPeer, "gridcomm+agent": GridcommRelayPeer, "torch": TorchPeer, "jax": JaxPeer, "cupyx": CupyxPeer,
 }
 
 

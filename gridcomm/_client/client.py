@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import grpc
 
 from gridcomm import _config
+from gridcomm._client import directed as _directed
 from gridcomm._client import progress as _progress
 from gridcomm._client import session as _session
 from gridcomm._client.channel import make_aio_channel, make_channel
@@ -159,6 +160,8 @@ class CoordinatorClient:
         self._relay_rank: int | None = None
         #: The group relay this rank's join tries first (GRIDCOMM_RELAY_ADDRESSES), until joined.
         self._relay_join: str | None = None
+        #: Where this rank's join was answered: "relay" (its group's) or "coordinator".
+        self.joined_through = ""
         self._closed = False
         self._barrier_seq: dict[str, int] = {}
         self._joined = False
@@ -285,10 +288,11 @@ class CoordinatorClient:
             raise _progress.timed_out(what, total, timeout) from timeout
 
     # ------------------------------------------------------------------ API
-    def _tree(self) -> None:
+    def _tree(self, until: float | None = None) -> None:
         """The relay tree (GRIDCOMM_RELAY, GRIDCOMM_RELAY_FANIN): rank ``k x fanin`` hosts a relay
-        for its group and joins directly; the others join directly too (the join is where they
-        learn where their relay is) and then move their stream to it."""
+        for its group and joins directly; the others join through it. Where the relays' addresses
+        are known (GRIDCOMM_RELAY_ADDRESSES) every rank decides alone; otherwise the coordinator
+        directs each rank's join (see gridcomm._client.directed), asked until ``until``."""
         settings = self.settings
         if self.relay_target is not None or self.session_mode == "off" or settings.relay_mode == "off":
             return  # a node agent's relay (gridcomm launch), or none
@@ -301,15 +305,37 @@ class CoordinatorClient:
                 raise ConfigError(f"rank {self.rank}: GRIDCOMM_RELAY=on, but {problem}; set them on every rank "
                                   "or GRIDCOMM_RELAY=auto (no relays then) or off.")
             return
+        template = settings.relay_addresses
+        if template is None and not self._joined:
+            self._directed(time.monotonic() + self.timeout_s / 2 if until is None else until)
+            return
         fanin = settings.fanin(self.world_size)
         leader = self.rank - self.rank % fanin
-        template = settings.relay_addresses
         if leader != self.rank:
             self._relay_rank = leader
             if template is not None and not self._joined:
                 # Its relay's address is known before the join: the join goes there too.
                 self._relay_join = _config.format_relay_address(template, leader, leader // fanin)
             return
+        self._host_relay(leader, fanin, template)
+
+    def _directed(self, until: float) -> None:
+        """The directed join: the coordinator says whether this rank hosts its group's relay, joins
+        through it (then this rank's connection to the coordinator is closed: it needs none), or
+        joins the coordinator directly."""
+        answer = _directed.ask(self, until)
+        if answer is None:
+            return
+        if answer.host_relay:
+            self._host_relay(answer.leader, answer.fanin, None)
+            return
+        if answer.leader != self.rank:
+            self._relay_rank = answer.leader  # a direct join's answer names the relay if one comes
+        if answer.relay_address:
+            self._relay_join = answer.relay_address
+
+    def _host_relay(self, leader: int, fanin: int, template: str | None) -> None:
+        """Hosts the relay of the group of ``fanin`` ranks that this rank (``leader``) leads."""
         if leader + 1 >= self.world_size or self.relay is not None:
             return  # a group of one: nobody to relay for
         from gridcomm._client.relay import Relay
@@ -319,7 +345,7 @@ class CoordinatorClient:
         if template is not None:
             name, port = _config.parse_target(_config.format_relay_address(template, leader, leader // fanin))
         try:
-            self.relay = Relay(self.target, token=settings.token, tls=self.tls, bind=local_address(self.host),
+            self.relay = Relay(self.target, token=self.settings.token, tls=self.tls, bind=local_address(self.host),
                                port=port, ranks=range(leader + 1, min(leader + fanin, self.world_size)),
                                tls_name=name, world_size=self.world_size).start()
         except RelayTlsError:
@@ -331,8 +357,10 @@ class CoordinatorClient:
     def join(self, timeout_s: float | None = None) -> int:
         """Registers this rank and waits until every rank has joined; returns the generation."""
         self._join_sent = True
-        self._tree()
         total = self.timeout_s if timeout_s is None else _config.parse_duration("timeout_s", timeout_s)
+        # Why half the timeout: while the coordinator says "come back" (its group's relay is not up
+        # yet) the rank asks again; the coordinator itself sends it on after LEAD_GRACE_S.
+        self._tree(time.monotonic() + total / 2)
         relay_until = time.monotonic() + min(RELAY_JOIN_GRACE_S, total / 4)
         what = f"rank {self.rank}: join"
 
@@ -341,7 +369,9 @@ class CoordinatorClient:
             if self._relay_join is not None:
                 response = self._join_through_relay(request, what, call_s, relay_until)
                 if response is not None:
+                    self.joined_through = "relay"
                     return response
+            self.joined_through = "coordinator"
             return self._op("join", request, what, call_s, wait_for_ready=True)
 
         response = self._long_poll(

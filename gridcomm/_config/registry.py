@@ -73,7 +73,8 @@ VARIABLES: tuple[Variable, ...] = (
              "makes `gridcomm launch` host one for the ranks it starts"),
     Variable("GRIDCOMM_RELAY_FANIN", "`auto`, int >= 2", "`auto` (32 up to 1,024 ranks, then the power of two "
              "at or above the square root of the world size)",
-             "ranks per relay of the tree (its own rank included)"),
+             "ranks per relay of the tree (its own rank included); the coordinator's sets the groups of a join "
+             "without `GRIDCOMM_RELAY_ADDRESSES` (if `auto` there, the ranks')"),
     Variable("GRIDCOMM_RELAY_ADDRESS", "host:port", "none (the coordinator)",
              "the relay a rank's Session stream dials (set by `gridcomm launch`); its unary calls, and everything "
              "once the relay is gone, go to the coordinator"),

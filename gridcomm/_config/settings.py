@@ -100,6 +100,12 @@ class CoordinatorSettings:
     stall_timeout_s: float = readers.DEFAULT_STALL_TIMEOUT_S
     #: GRIDCOMM_METRICS_LINGER_S: /metrics and status stay up this long in a stop with a grace.
     metrics_linger_s: float = readers.DEFAULT_METRICS_LINGER_S
+    #: GRIDCOMM_RELAY_FANIN (None: auto): the groups the directed join assigns (see fanin).
+    relay_fanin: int | None = None
+
+    def fanin(self) -> int:
+        """Ranks per relay group of this job's tree, by the same rule as ClientSettings.fanin."""
+        return self.relay_fanin if self.relay_fanin is not None else readers.auto_relay_fanin(self.world_size)
 
     @classmethod
     def resolve(cls, world_size: int, bind: str = "0.0.0.0", port: int = 0, token: str | None = None, *,
@@ -116,7 +122,7 @@ class CoordinatorSettings:
                    health_port=health_port, metrics_port=metrics_port,
                    stall_timeout_s=readers.stall_timeout_s(stall_timeout_s, environ, call_timeout_s=call_timeout_s,
                                                            call_timeout_name=call_timeout_name),
-                   metrics_linger_s=readers.metrics_linger_s(environ))
+                   metrics_linger_s=readers.metrics_linger_s(environ), relay_fanin=readers.relay_fanin(environ))
 
     @classmethod
     def serve(cls, world_size: int | None = None, bind: str | None = None, port: int | None = None,

@@ -76,6 +76,8 @@ class CoordinatorMetrics:
         #: Join, barrier, get and heartbeat operations received, by kind: a relay's aggregate counts once (so
         #: ops / messages is how many ranks the relays fold into each).
         self.messages: collections.Counter[str] = collections.Counter()
+        #: The directed join's first contacts, by answer: lead, relay, retry, direct.
+        self.first_contacts: collections.Counter[str] = collections.Counter()
         #: Session operations answered with an error, by (kind, status code name).
         self.session_op_errors: collections.Counter[tuple[str, str]] = collections.Counter()
         #: Joins refused (wrong world size, job id, rank taken ...), by status code name.
@@ -208,6 +210,7 @@ class _Snapshot:
     rpcs: dict[tuple[str, str], int]
     ops: dict[str, int]
     messages: dict[str, int]
+    first_contacts: dict[str, int]
     session_op_errors: dict[tuple[str, str], int]
     join_refusals: dict[str, int]
     loop_lag_s: float = 0.0
@@ -242,6 +245,7 @@ def _snapshot(coordinator: Any) -> _Snapshot:
         barriers_completed=metrics.barriers_completed, barrier_arrivals=metrics.barrier_arrivals,
         barrier_buckets=list(metrics.barrier_wait_buckets), barrier_sum=metrics.barrier_wait_sum,
         rpcs=dict(metrics.rpcs), ops=dict(metrics.ops), messages=dict(metrics.messages),
+        first_contacts=dict(metrics.first_contacts),
         session_op_errors=dict(metrics.session_op_errors), join_refusals=dict(metrics.join_refusals),
         loop_lag_s=servicer.lag.total_s if servicer is not None else 0.0,
         hangs=dict(metrics.hangs), longest_collective_wait_s=state.progress.longest_wait(now),
@@ -342,6 +346,12 @@ class _Collector:
         for kind, count in sorted(snap.messages.items()):
             messages.add_metric([kind], count)
         yield messages
+        contacts = CounterMetricFamily("gridcomm_first_contacts", "The relay tree's directed join: first contacts "
+                                       "answered, by answer (lead: host a relay; relay: join through it; retry: come "
+                                       "back later; direct: join the coordinator).", labels=["answer"])
+        for kind, count in sorted(snap.first_contacts.items()):
+            contacts.add_metric([kind], count)
+        yield contacts
         errors = CounterMetricFamily("gridcomm_session_op_errors", "Session operations answered with an error, by "
                                      "kind and status.", labels=["op", "code"])
         for (kind, code), count in sorted(snap.session_op_errors.items()):

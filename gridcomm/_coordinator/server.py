@@ -281,6 +281,8 @@ class Coordinator:
         self._token = settings.token
         self.job_id = settings.job_id
         self.heartbeat_timeout_s = settings.heartbeat_timeout_s
+        self.relay_fanin = settings.fanin()
+        self.relay_fanin_configured = settings.relay_fanin is not None
         #: A live rank the others wait for in a collective this long is failed as stalled (0: off).
         self.stall_timeout_s = settings.stall_timeout_s
         #: At interpreter exit without stop(), how long to keep serving for ranks still joined.

@@ -37,6 +37,7 @@ from gridcomm._coordinator.state.digests import answers_of, check_answers
 from gridcomm._coordinator.state.progress import MAX_ENTRIES as MAX_PROGRESS_ENTRIES
 from gridcomm._coordinator.state.progress import MAX_FINGERPRINT, Entry, check_entry
 from gridcomm._coordinator.store_ops import StoreOps
+from gridcomm._coordinator.tree import Tree
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._runtime.guard import token_problem
 from gridcomm._runtime.lag import LagMeter
@@ -69,6 +70,10 @@ class Owner(Protocol):
     max_wait_s: float
     connection_grace_s: float
     metrics: CoordinatorMetrics
+    #: Ranks per group of the relay tree (the directed join's groups), and whether it was set
+    #: (GRIDCOMM_RELAY_FANIN) rather than derived from the world size.
+    relay_fanin: int
+    relay_fanin_configured: bool
 
     @property
     def token(self) -> str | None: ...
@@ -102,6 +107,8 @@ class Servicer(StoreOps):
         self._missing_answer: tuple[Any, str, tuple[tuple[str, str], ...]] | None = None
         #: The relay tree: rank -> (incarnation, HOST:PORT) of the relay its process hosts.
         self._relays: dict[int, tuple[int, str]] = {}
+        #: The tree's groups and leaders, for the directed join (first contacts).
+        self._tree = Tree(self._state.world_size, owner.relay_fanin, configured=owner.relay_fanin_configured)
         #: rank -> (incarnation, generation, failure count) its latest heartbeat answer carried
         #: while the generation was failed: what that process knows (see heartbeat).
         self._told: dict[int, tuple[int, int, int]] = {}
@@ -293,6 +300,8 @@ class Servicer(StoreOps):
     # ------------------------------------------------------------------ operations
     async def join(self, request: pb.JoinRequest, deadline: float | None) -> pb.JoinResponse:
         state = self._state
+        if request.first_contact:
+            return self._first_contact(request)
         self.metrics.messages["join"] += 1
         if request.also:
             return await self._join_aggregate(request, deadline)
@@ -340,6 +349,9 @@ class Servicer(StoreOps):
         joiners = [(request.rank, request.incarnation, request.hostname)]
         joiners.extend((j.rank, j.incarnation, j.hostname) for j in request.also)
         what = f"an aggregated join of {len(joiners)} ranks (rank {request.rank} first)"
+        problem = self._tree.aggregate_problem([rank for rank, _, _ in joiners])
+        if problem is not None:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} is refused: {problem}.")
         if len(joiners) > max(1, state.world_size):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} names more ranks than the job's {state.world_size}.")
         if request.generation or request.recovery != pb.RECOVERY_NONE or request.relay_address:
@@ -414,11 +426,24 @@ class Servicer(StoreOps):
             cached = self._missing_answer = (key, text, ((MISSING_KEY, ranks_text(missing)),))
         return cached[1], cached[2]
 
+    def _first_contact(self, request: pb.JoinRequest) -> pb.JoinResponse:
+        """A rank of the tree asks where to join: answered at once (see gridcomm._coordinator.tree)."""
+        state = self._state
+        kind, answer = self._tree.first_contact(
+            request, job_id=state.job_id, formed=state.generation > 0 or state.complete,
+            relay_at=self._relay_at, leader_joined=state.members.__contains__, now=self._now())
+        self.metrics.first_contacts[kind] += 1
+        return answer
+
     def _relay_of(self, request: pb.JoinRequest) -> str:
         """Where the relay of a joining rank's group is ('' when it has none: dial the coordinator)."""
         host = request.relay_rank
         if not request.wants_relay or host == request.rank or not 0 <= host < self._state.world_size:
             return ""
+        return self._relay_at(host)
+
+    def _relay_at(self, host: int) -> str:
+        """Where the relay rank ``host``'s process registered listens ('' if none, or gone)."""
         entry = self._relays.get(host)
         member = self._state.members.get(host)
         if entry is None or member is None or member.incarnation != entry[0] or self._state.gone(member):

@@ -124,7 +124,7 @@ class DigestProbe(_message.Message):
     def __init__(self, communicator: _Optional[str] = ..., counts: _Optional[_Iterable[int]] = ..., prints: bool = ..., rank: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "incarnation", "hostname", "wait_s", "generation", "recovery", "relay_address", "wants_relay", "relay_rank", "also")
+    __slots__ = ("job_id", "rank", "world_size", "incarnation", "hostname", "wait_s", "generation", "recovery", "relay_address", "wants_relay", "relay_rank", "also", "first_contact", "fanin")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,8 @@ class JoinRequest(_message.Message):
     WANTS_RELAY_FIELD_NUMBER: _ClassVar[int]
     RELAY_RANK_FIELD_NUMBER: _ClassVar[int]
     ALSO_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CONTACT_FIELD_NUMBER: _ClassVar[int]
+    FANIN_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -149,7 +151,9 @@ class JoinRequest(_message.Message):
     wants_relay: bool
     relay_rank: int
     also: _containers.RepeatedCompositeFieldContainer[Joiner]
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., hostname: _Optional[str] = ..., wait_s: _Optional[float] = ..., generation: _Optional[int] = ..., recovery: _Optional[_Union[Recovery, str]] = ..., relay_address: _Optional[str] = ..., wants_relay: bool = ..., relay_rank: _Optional[int] = ..., also: _Optional[_Iterable[_Union[Joiner, _Mapping]]] = ...) -> None: ...
+    first_contact: bool
+    fanin: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., hostname: _Optional[str] = ..., wait_s: _Optional[float] = ..., generation: _Optional[int] = ..., recovery: _Optional[_Union[Recovery, str]] = ..., relay_address: _Optional[str] = ..., wants_relay: bool = ..., relay_rank: _Optional[int] = ..., also: _Optional[_Iterable[_Union[Joiner, _Mapping]]] = ..., first_contact: bool = ..., fanin: _Optional[int] = ...) -> None: ...
 
 class Joiner(_message.Message):
     __slots__ = ("rank", "incarnation", "hostname")
@@ -162,20 +166,28 @@ class Joiner(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("generation", "world_size", "members", "heartbeat_timeout_s", "member_ranks", "relay_address")
+    __slots__ = ("generation", "world_size", "members", "heartbeat_timeout_s", "member_ranks", "relay_address", "host_relay", "retry_after_s", "leader", "fanin")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MEMBER_RANKS_FIELD_NUMBER: _ClassVar[int]
     RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOST_RELAY_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    FANIN_FIELD_NUMBER: _ClassVar[int]
     generation: int
     world_size: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
     heartbeat_timeout_s: float
     member_ranks: _containers.RepeatedScalarFieldContainer[int]
     relay_address: str
-    def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., heartbeat_timeout_s: _Optional[float] = ..., member_ranks: _Optional[_Iterable[int]] = ..., relay_address: _Optional[str] = ...) -> None: ...
+    host_relay: bool
+    retry_after_s: float
+    leader: int
+    fanin: int
+    def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., heartbeat_timeout_s: _Optional[float] = ..., member_ranks: _Optional[_Iterable[int]] = ..., relay_address: _Optional[str] = ..., host_relay: bool = ..., retry_after_s: _Optional[float] = ..., leader: _Optional[int] = ..., fanin: _Optional[int] = ...) -> None: ...
 
 class SetRequest(_message.Message):
     __slots__ = ("caller", "key", "value", "total_bytes", "offset")

@@ -1,0 +1,121 @@
+"""The directed join (gridcomm/_coordinator/tree.py, gridcomm/_client/directed.py): ranks of the
+relay tree that know no relay address (no GRIDCOMM_RELAY_ADDRESSES: Slurm, bare metal) ask the
+coordinator where to join, are answered at once, and the members join through their group's relay.
+
+Real coordinator (in this process), one OS process per rank.
+"""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from gridcomm._proto import coordinator_pb2 as pb
+from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from tests.support.procs import RankProcesses, assert_all_ok
+
+TOKEN = "directed-join-token"
+
+RANK = """
+import json, os, time, numpy as np, gridcomm
+time.sleep(float(os.environ.get("START_DELAY_S", "0")))
+comm = gridcomm.init_process_group(backend="host", timeout_s=60)
+client = comm._client
+x = np.ones(4)
+comm.all_reduce(x, x)
+comm.barrier("directed")
+print(json.dumps({"through": client.joined_through, "hosts": client.relay is not None, "sum": float(x[0])}), flush=True)
+comm.stop()
+"""
+
+
+def run_job(server, world: int, **per_rank: dict[str, str]) -> dict[int, dict]:
+    env = {"GRIDCOMM_HOST": "127.0.0.1", "GRIDCOMM_PORT": str(server.port), "GRIDCOMM_TOKEN": TOKEN,
+           "GRIDCOMM_COORDINATOR": "external", "GRIDCOMM_BACKEND": "host", "GRIDCOMM_RELAY": "on",
+           "GRIDCOMM_RELAY_FANIN": "4"}
+    results = RankProcesses(RANK, world, env=env, per_rank_env={int(k): v for k, v in per_rank.items()}).wait(100)
+    assert_all_ok(results)
+    return {rank: json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+            for rank, r in results.items()}
+
+
+@pytest.mark.timeout(150)
+def test_without_addresses_members_join_through_the_relay_the_coordinator_names(coordinator_factory):
+    """9 ranks, groups of 4: ranks 0 and 4 are told to host their group's relay, the others of
+    their groups to join through it (none is held at the coordinator), rank 8 (a group of one)
+    to join directly. The coordinator's fan-in is auto: it takes the ranks' GRIDCOMM_RELAY_FANIN."""
+    world = 9
+    server = coordinator_factory(world, token=TOKEN)
+    out = run_job(server, world)
+    assert all(v["sum"] == world for v in out.values()), out
+    assert {r for r, v in out.items() if v["hosts"]} == {0, 4}, out
+    assert {r for r, v in out.items() if v["through"] == "relay"} == {1, 2, 3, 5, 6, 7}, out
+    contacts = server._servicer.metrics.first_contacts
+    assert contacts["lead"] == 2 and contacts["relay"] == 6 and contacts["direct"] == 1, dict(contacts)
+    # The members' joins reached the coordinator through their relays: 3 joins of their own
+    # (ranks 0, 4, 8) and at most one message per member from the relays.
+    metrics = server._servicer.metrics
+    assert metrics.ops["join"] >= world and metrics.messages["join"] <= 3 + 6, dict(metrics.messages)
+    assert not server.state.failures
+
+
+@pytest.mark.timeout(150)
+def test_members_of_a_late_leader_come_back_and_join_through_its_relay(coordinator_factory):
+    """Rank 4 (group 1's leader) starts 4 s after the others: its members are told to come back
+    (and hold nothing at the coordinator meanwhile), then join through its relay once it listens."""
+    world = 8
+    server = coordinator_factory(world, token=TOKEN)
+    out = run_job(server, world, **{"4": {"START_DELAY_S": "4"}})
+    assert all(v["sum"] == world for v in out.values()), out
+    assert {r for r, v in out.items() if v["hosts"]} == {0, 4}, out
+    assert {r for r, v in out.items() if v["through"] == "relay"} == {1, 2, 3, 5, 6, 7}, out
+    contacts = server._servicer.metrics.first_contacts
+    assert contacts["retry"] >= 3 and contacts["relay"] == 6, dict(contacts)
+    assert not server.state.failures
+
+
+def first_contact(stub, rank: int, world: int = 8, **fields) -> pb.JoinResponse:
+    return stub.Join(pb.JoinRequest(job_id="default", rank=rank, world_size=world, incarnation=100 + rank,
+                                    hostname="h", first_contact=True, **fields), timeout=10)
+
+
+def join(stub, rank: int, **fields) -> grpc.StatusCode:
+    try:
+        stub.Join(pb.JoinRequest(job_id="default", rank=rank, world_size=8, incarnation=100 + rank, hostname="h",
+                                 wait_s=0, **fields), timeout=10)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        return exc.code()
+
+
+@pytest.mark.timeout(60)
+def test_first_contacts_are_answered_at_once_and_a_relay_speaks_for_its_own_group(coordinator_factory, monkeypatch):
+    monkeypatch.setenv("GRIDCOMM_RELAY_FANIN", "4")
+    monkeypatch.delenv("GRIDCOMM_JOB_ID", raising=False)
+    server = coordinator_factory(8)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        early = first_contact(stub, 5, fanin=2)  # the coordinator's own fan-in (4) wins over a rank's
+        assert early.retry_after_s > 0 and not early.host_relay and not early.relay_address, early
+        assert (early.leader, early.fanin) == (4, 4)
+        lead = first_contact(stub, 4)
+        assert lead.host_relay and lead.leader == 4 and lead.retry_after_s == 0, lead
+        # The leader's own join registers its relay (and waits for the rendezvous: wait_s=0 ends it).
+        assert join(stub, 4, relay_address="127.0.0.1:1") == grpc.StatusCode.DEADLINE_EXCEEDED
+        sent = first_contact(stub, 5)
+        assert sent.relay_address == "127.0.0.1:1" and sent.retry_after_s == 0, sent
+        # Nothing was registered by the first contacts: only rank 4 joined.
+        assert set(server.state.members) == {4}
+        # An aggregate naming a rank of another group beside one sent to rank 4's relay is refused.
+        assert join(stub, 5, also=[pb.Joiner(rank=1, incarnation=101, hostname="h")]) == \
+            grpc.StatusCode.INVALID_ARGUMENT
+        assert set(server.state.members) == {4}
+        assert join(stub, 5, also=[pb.Joiner(rank=6, incarnation=106, hostname="h")]) == \
+            grpc.StatusCode.DEADLINE_EXCEEDED
+        assert set(server.state.members) == {4, 5, 6}
+        for bad in ({"rank": 8}, {"rank": 1, "world": 9}):
+            with pytest.raises(grpc.RpcError) as refused:
+                first_contact(stub, **bad)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
