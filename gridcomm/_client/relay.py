@@ -43,6 +43,7 @@ from gridcomm._errors import ConfigError, GridcommError
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._runtime import loop as _eventloop
+from gridcomm._runtime.admission import CONTROL_HEADROOM, RELAY_UNAUTHENTICATED, Admission
 from gridcomm._runtime.guard import GuardedServer, control_server_options, token_problem
 from gridcomm._wire import SERVICE_NAME, UNDECODABLE, decoder, progress_said
 
@@ -53,8 +54,11 @@ _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 
 
-#: Connections a relay accepts at once: its node's ranks (a few each) and room to spare.
-MAX_RELAY_CONNECTIONS = 4096
+#: Connections a relay accepts at once (gRPC closes new ones past it): its node's ranks (a few
+#: each) and, as on the coordinator's port, room for what a flood opens between two sweeps of the
+#: admission, which keeps at most RELAY_UNAUTHENTICATED unauthenticated ones (see
+#: gridcomm._runtime.admission). An idle connection costs the relay's host ~17 KB (~48 KB with TLS).
+MAX_RELAY_CONNECTIONS = RELAY_UNAUTHENTICATED + CONTROL_HEADROOM
 
 #: The longest a barrier arrival (or a first join) waits at the relay for the rest of the relay's
 #: ranks before it goes up. Why bounded: what the coordinator knows of a barrier or a rendezvous
@@ -135,6 +139,7 @@ class Relay:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.port = 0
         self._server: GuardedServer | None = None
+        self._admission: Admission | None = None
         self._channel: grpc.aio.Channel | None = None
         self._up: Any = None  # the upstream Session call
         self._up_tasks: tuple[asyncio.Task[None], ...] = ()
@@ -200,8 +205,12 @@ class Relay:
     async def _start(self) -> int:
         credentials = relay_tls.server_credentials(self._tls)  # see gridcomm._client.relay_tls
         self._channel = make_aio_channel(self.upstream, self._tls)
+        #: The port's unauthenticated connections are capped apart (a relay is a listener any pod
+        #: can reach); a Session that passes the token check authenticates its connection.
+        self._admission = Admission("relay", RELAY_UNAUTHENTICATED, authenticates=True)
         self._server = GuardedServer("relay", _config.format_target(self.bind, self._requested_port),
-                                     control_server_options(MAX_RELAY_CONNECTIONS), self._register, credentials=credentials)
+                                     control_server_options(MAX_RELAY_CONNECTIONS), self._register, credentials=credentials,
+                                     admission=self._admission)
         self.port = await self._server.start()
         if self.port and (problem := await relay_tls.dial_problem(self.target, self._tls, self.tls_name)):
             self._stopped = True
@@ -267,6 +276,8 @@ class Relay:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 f"Session refused by the relay: the token is {problem}; set the same GRIDCOMM_TOKEN "
                                 "(or GRIDCOMM_TOKEN_FILE) on every rank and the coordinator.")
+        if self._admission is not None:
+            self._admission.admitted(context.peer())
         child = Child(context, self.world_size)
         self._children.add(child)
         writer = child.writer = asyncio.ensure_future(child.write())

@@ -46,10 +46,14 @@ log = logging.getLogger(__name__)
 #: second; between two sweeps a flood adds at most rate x SWEEP_S to what the cap allows, and
 #: gRPC's own cap leaves that much room above it.
 SWEEP_S = 0.25
-#: Unauthenticated connections kept: on a coordinator's port (plus its world size), and on a health port (where no call
-#: authenticates, so every connection counts; kubelet's probe is one short connection).
+#: Unauthenticated connections kept: on a coordinator's port (plus its world size), on a relay's,
+#: and on a health port (where no call authenticates, so every connection counts; kubelet's probe
+#: is one short connection).
 CONTROL_UNAUTHENTICATED = 2048
 HEALTH_UNAUTHENTICATED = 1024
+#: On a relay's port: its node's ranks authenticate at their first call (the relay checks the
+#: token itself, at once), so fewer are kept than on the coordinator's.
+RELAY_UNAUTHENTICATED = 1024
 #: A connection is dropped only once a sweep has seen it this long without an admitted call: a
 #: client's first call goes out with its connection, so only connections that make none get this
 #: old unauthenticated. A flood that reconnects at R connections a second then holds about
