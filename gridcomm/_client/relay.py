@@ -39,6 +39,7 @@ from gridcomm import _config
 from gridcomm._client import relay_tls
 from gridcomm._client.channel import make_aio_channel
 from gridcomm._client.relay_children import Child, answered, probe
+from gridcomm._client.relay_silence import Silence, silent_answer
 from gridcomm._errors import ConfigError, GridcommError
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
@@ -172,6 +173,8 @@ class Relay:
         self._tasks: set[asyncio.Task[None]] = set()
         self._latest = pb.HeartbeatResponse()
         self._beat_task: asyncio.Task[None] | None = None
+        #: How long the coordinator has not answered (see gridcomm._client.relay_silence).
+        self._silence: Silence | None = None
         self._stopped = False
         #: How many operations carried upstream were aggregates of several ranks.
         self.aggregated = 0
@@ -216,6 +219,7 @@ class Relay:
             self._stopped = True
             await self._stop()
             raise problem
+        self._silence = Silence(asyncio.get_running_loop().time())
         self._beat_task = asyncio.ensure_future(self._heartbeats())
         return self.port
 
@@ -423,7 +427,7 @@ class Relay:
             self._progress.pop(request.caller.rank, None)
 
         async def answer() -> None:
-            if not self._latest.failures:
+            if not self._latest.failures and not self._coordinator_silent():
                 fut: asyncio.Future[None] = loop.create_future()
                 self._beat_waiters.add(fut)
                 wait_s = request.wait_s if request.wait_s == request.wait_s and request.wait_s > 0 else 0.0
@@ -433,6 +437,10 @@ class Relay:
                     pass
                 finally:
                     self._beat_waiters.discard(fut)
+            silence = self._silence
+            if silence is not None and silence.lost:
+                child.answer(silent_answer(op.id, self.target, self.upstream, silence.seconds(loop.time())))
+                return
             probes = self._probes_down.pop(request.caller.rank, None)
             if probes:  # digest probes for this rank (GRIDCOMM_DEBUG=collectives)
                 beat = pb.HeartbeatResponse()
@@ -446,6 +454,23 @@ class Relay:
         task = asyncio.ensure_future(answer())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _coordinator_silent(self) -> bool:
+        """Whether the coordinator has not answered this relay for the liveness bound; the first
+        time it is found so, the ranks' held heartbeats are answered with that now."""
+        silence = self._silence
+        if silence is None:
+            return False
+        if not silence.lost:
+            silent_s = silence.seconds(asyncio.get_running_loop().time())
+            if silent_s <= self.heartbeat_timeout_s:
+                return False
+            silence.lost = True
+            log.warning("relay %s: no answer from the coordinator at %s for %.1f s (heartbeat timeout %g s); its "
+                        "%d ranks are told it is lost", self.target, self.upstream, silent_s,
+                        self.heartbeat_timeout_s, len(self._ranks))
+            self._wake_beats()
+        return True
 
     def _wake_beats(self) -> None:
         """Answers the ranks' held heartbeats now."""
@@ -541,6 +566,8 @@ class Relay:
         why = "the coordinator ended the relay's stream"
         try:
             async for reply in call:
+                if self._silence is not None:
+                    self._silence.heard(asyncio.get_running_loop().time())
                 for result in reply.results:
                     self._route(result)
         except asyncio.CancelledError:
@@ -621,6 +648,8 @@ class Relay:
             # Read afresh: a rank hosting a relay learns the job's bound from its join's answer.
             period = max(0.05, self.heartbeat_timeout_s / 6)
             if not self._beats:
+                if self._silence is not None:
+                    self._silence.heard(loop.time())  # nothing asked of the coordinator: no silence
                 await asyncio.sleep(period)
                 continue
             now, lag = loop.time(), _eventloop.lag_s()
@@ -663,10 +692,15 @@ class Relay:
                     answered.set_result(result)
 
             self._send("heartbeat", request, [], done)
+            wait_s = period + max(1.0, self.heartbeat_timeout_s / 2)
+            if self._silence is not None and not self._silence.lost:
+                # Why: the ranks are told the moment the silence passes the bound, not at a timeout.
+                wait_s = min(wait_s, self._silence.left(loop.time(), self.heartbeat_timeout_s))
             try:
-                result = await asyncio.wait_for(answered, period + max(1.0, self.heartbeat_timeout_s / 2))
+                result = await asyncio.wait_for(answered, wait_s)
             except asyncio.TimeoutError:
                 self._progress_up.clear()  # whether the coordinator read it is unknown: all in full
+                self._coordinator_silent()
                 continue
             if result.code:
                 self._progress_up.clear()
