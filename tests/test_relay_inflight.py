@@ -9,7 +9,8 @@ answers rank 2's heartbeats itself, so before the relay counted the coordinator'
 never learnt of it and both calls waited for their deadlines; now both end within the liveness
 bound plus a second (asserted with a margin for a loaded machine), raising the error rank 2's
 watcher reported: CoordinatorUnavailable, naming the coordinator's silence, as a rank dialling it
-directly gets.
+directly gets. Killed instead (SIGKILL: the relay's stream to it breaks), both calls end as a direct
+rank's do: CoordinatorUnavailable naming the coordinator's address, within the same bound.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ client.close()
 
 
 @pytest.mark.timeout(150)
-def test_calls_a_relay_carries_end_with_the_watcher_when_the_coordinator_freezes() -> None:
+@pytest.mark.parametrize("signum", [signal.SIGSTOP, signal.SIGKILL], ids=["frozen", "killed"])
+def test_calls_a_relay_carries_end_when_the_coordinator_is_lost(signum: int) -> None:
     env = dict(os.environ, PYTHONPATH=ROOT, GRIDCOMM_HEARTBEAT_TIMEOUT_S=f"{BOUND:g}")
     with serving(["--world-size", "3", "--bind", "127.0.0.1", "--port", "0"], env) as (coordinator, line):
         assert "listening on 127.0.0.1:" in line, line
@@ -81,7 +83,7 @@ def test_calls_a_relay_carries_end_with_the_watcher_when_the_coordinator_freezes
             assert hosted is not None and waiting["relay"] == hosted, (hosted, waiting)
             # A call still on its way when the coordinator freezes is in flight all the same.
             stopped_at = time.monotonic()
-            os.kill(coordinator.pid, signal.SIGSTOP)
+            os.kill(coordinator.pid, signum)
             line = ranks[2].expect("ENDED", 90)
         finally:
             for rank in ranks:
@@ -89,6 +91,15 @@ def test_calls_a_relay_carries_end_with_the_watcher_when_the_coordinator_freezes
             os.kill(coordinator.pid, signal.SIGCONT)
             coordinator.kill()
     ended = json.loads(line.split(" ", 1)[1])
+    if signum == signal.SIGKILL:
+        for what in ("get", "barrier"):
+            call = ended["calls"][what]
+            took = call["at"] - stopped_at
+            print(f"through the relay, coordinator killed: {what} ended {took:.2f} s after: {call['message']}")
+            assert call["kind"] == "CoordinatorUnavailable", (what, ended)
+            assert f"the coordinator at 127.0.0.1:{port}" in call["message"], (what, ended)
+            assert took < BOUND + 1.0 + MARGIN, f"{what} ended {took:.2f} s after the kill: {ended}"
+        return
     assert ended["watcher_kind"] == "CoordinatorUnavailable", ended
     assert "the coordinator at 127.0.0.1:" in ended["watcher"] and "has not answered" in ended["watcher"], ended
     for what in ("get", "barrier"):
