@@ -189,6 +189,11 @@ class Relay:
         return sum(self.sent.values())
 
     @property
+    def dropped(self) -> int:
+        """Unauthenticated connections its port's admission dropped (gridcomm._runtime.admission)."""
+        return self._admission.dropped if self._admission is not None else 0
+
+    @property
     def target(self) -> str:
         host = "127.0.0.1" if self.bind in ("0.0.0.0", "::", "") else self.bind
         return _config.format_target(host, self.port)
