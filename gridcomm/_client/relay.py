@@ -39,10 +39,12 @@ from gridcomm import _config
 from gridcomm._client import relay_tls
 from gridcomm._client.channel import make_aio_channel
 from gridcomm._client.relay_children import Child, answered, probe
+from gridcomm._client.relay_silence import Silence, silent_answer
 from gridcomm._errors import ConfigError, GridcommError
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._runtime import loop as _eventloop
+from gridcomm._runtime.admission import CONTROL_HEADROOM, RELAY_UNAUTHENTICATED, Admission
 from gridcomm._runtime.guard import GuardedServer, control_server_options, token_problem
 from gridcomm._wire import SERVICE_NAME, UNDECODABLE, decoder, progress_said
 
@@ -53,8 +55,11 @@ _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 
 
-#: Connections a relay accepts at once: its node's ranks (a few each) and room to spare.
-MAX_RELAY_CONNECTIONS = 4096
+#: Connections a relay accepts at once (gRPC closes new ones past it): its node's ranks (a few
+#: each) and, as on the coordinator's port, room for what a flood opens between two sweeps of the
+#: admission, which keeps at most RELAY_UNAUTHENTICATED unauthenticated ones (see
+#: gridcomm._runtime.admission). An idle connection costs the relay's host ~17 KB (~48 KB with TLS).
+MAX_RELAY_CONNECTIONS = RELAY_UNAUTHENTICATED + CONTROL_HEADROOM
 
 #: The longest a barrier arrival (or a first join) waits at the relay for the rest of the relay's
 #: ranks before it goes up. Why bounded: what the coordinator knows of a barrier or a rendezvous
@@ -135,6 +140,7 @@ class Relay:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.port = 0
         self._server: GuardedServer | None = None
+        self._admission: Admission | None = None
         self._channel: grpc.aio.Channel | None = None
         self._up: Any = None  # the upstream Session call
         self._up_tasks: tuple[asyncio.Task[None], ...] = ()
@@ -167,6 +173,8 @@ class Relay:
         self._tasks: set[asyncio.Task[None]] = set()
         self._latest = pb.HeartbeatResponse()
         self._beat_task: asyncio.Task[None] | None = None
+        #: How long the coordinator has not answered (see gridcomm._client.relay_silence).
+        self._silence: Silence | None = None
         self._stopped = False
         #: How many operations carried upstream were aggregates of several ranks.
         self.aggregated = 0
@@ -179,6 +187,11 @@ class Relay:
     def carried(self) -> int:
         """Operations carried upstream (an aggregate counts once)."""
         return sum(self.sent.values())
+
+    @property
+    def dropped(self) -> int:
+        """Unauthenticated connections its port's admission dropped (gridcomm._runtime.admission)."""
+        return self._admission.dropped if self._admission is not None else 0
 
     @property
     def target(self) -> str:
@@ -200,13 +213,18 @@ class Relay:
     async def _start(self) -> int:
         credentials = relay_tls.server_credentials(self._tls)  # see gridcomm._client.relay_tls
         self._channel = make_aio_channel(self.upstream, self._tls)
+        #: The port's unauthenticated connections are capped apart (a relay is a listener any pod
+        #: can reach); a Session that passes the token check authenticates its connection.
+        self._admission = Admission("relay", RELAY_UNAUTHENTICATED, authenticates=True)
         self._server = GuardedServer("relay", _config.format_target(self.bind, self._requested_port),
-                                     control_server_options(MAX_RELAY_CONNECTIONS), self._register, credentials=credentials)
+                                     control_server_options(MAX_RELAY_CONNECTIONS), self._register, credentials=credentials,
+                                     admission=self._admission)
         self.port = await self._server.start()
         if self.port and (problem := await relay_tls.dial_problem(self.target, self._tls, self.tls_name)):
             self._stopped = True
             await self._stop()
             raise problem
+        self._silence = Silence(asyncio.get_running_loop().time())
         self._beat_task = asyncio.ensure_future(self._heartbeats())
         return self.port
 
@@ -267,6 +285,8 @@ class Relay:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 f"Session refused by the relay: the token is {problem}; set the same GRIDCOMM_TOKEN "
                                 "(or GRIDCOMM_TOKEN_FILE) on every rank and the coordinator.")
+        if self._admission is not None:
+            self._admission.admitted(context.peer())
         child = Child(context, self.world_size)
         self._children.add(child)
         writer = child.writer = asyncio.ensure_future(child.write())
@@ -412,7 +432,7 @@ class Relay:
             self._progress.pop(request.caller.rank, None)
 
         async def answer() -> None:
-            if not self._latest.failures:
+            if not self._latest.failures and not self._coordinator_silent():
                 fut: asyncio.Future[None] = loop.create_future()
                 self._beat_waiters.add(fut)
                 wait_s = request.wait_s if request.wait_s == request.wait_s and request.wait_s > 0 else 0.0
@@ -422,6 +442,10 @@ class Relay:
                     pass
                 finally:
                     self._beat_waiters.discard(fut)
+            silence = self._silence
+            if silence is not None and silence.lost:
+                child.answer(silent_answer(op.id, self.target, self.upstream, silence.seconds(loop.time())))
+                return
             probes = self._probes_down.pop(request.caller.rank, None)
             if probes:  # digest probes for this rank (GRIDCOMM_DEBUG=collectives)
                 beat = pb.HeartbeatResponse()
@@ -435,6 +459,23 @@ class Relay:
         task = asyncio.ensure_future(answer())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _coordinator_silent(self) -> bool:
+        """Whether the coordinator has not answered this relay for the liveness bound; the first
+        time it is found so, the ranks' held heartbeats are answered with that now."""
+        silence = self._silence
+        if silence is None:
+            return False
+        if not silence.lost:
+            silent_s = silence.seconds(asyncio.get_running_loop().time())
+            if silent_s <= self.heartbeat_timeout_s:
+                return False
+            silence.lost = True
+            log.warning("relay %s: no answer from the coordinator at %s for %.1f s (heartbeat timeout %g s); its "
+                        "%d ranks are told it is lost", self.target, self.upstream, silent_s,
+                        self.heartbeat_timeout_s, len(self._ranks))
+            self._wake_beats()
+        return True
 
     def _wake_beats(self) -> None:
         """Answers the ranks' held heartbeats now."""
@@ -530,6 +571,8 @@ class Relay:
         why = "the coordinator ended the relay's stream"
         try:
             async for reply in call:
+                if self._silence is not None:
+                    self._silence.heard(asyncio.get_running_loop().time())
                 for result in reply.results:
                     self._route(result)
         except asyncio.CancelledError:
@@ -610,6 +653,8 @@ class Relay:
             # Read afresh: a rank hosting a relay learns the job's bound from its join's answer.
             period = max(0.05, self.heartbeat_timeout_s / 6)
             if not self._beats:
+                if self._silence is not None:
+                    self._silence.heard(loop.time())  # nothing asked of the coordinator: no silence
                 await asyncio.sleep(period)
                 continue
             now, lag = loop.time(), _eventloop.lag_s()
@@ -652,10 +697,15 @@ class Relay:
                     answered.set_result(result)
 
             self._send("heartbeat", request, [], done)
+            wait_s = period + max(1.0, self.heartbeat_timeout_s / 2)
+            if self._silence is not None and not self._silence.lost:
+                # Why: the ranks are told the moment the silence passes the bound, not at a timeout.
+                wait_s = min(wait_s, self._silence.left(loop.time(), self.heartbeat_timeout_s))
             try:
-                result = await asyncio.wait_for(answered, period + max(1.0, self.heartbeat_timeout_s / 2))
+                result = await asyncio.wait_for(answered, wait_s)
             except asyncio.TimeoutError:
                 self._progress_up.clear()  # whether the coordinator read it is unknown: all in full
+                self._coordinator_silent()
                 continue
             if result.code:
                 self._progress_up.clear()

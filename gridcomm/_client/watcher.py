@@ -33,6 +33,7 @@ import grpc
 
 from gridcomm import _config
 from gridcomm._client.channel import make_aio_channel
+from gridcomm._client.relay_silence import reported
 from gridcomm._client.session import Session, StreamBroken
 from gridcomm._errors import (
     CollectiveMismatch,
@@ -291,7 +292,10 @@ class Watcher:
                                         grpc.StatusCode.CANCELLED):
                             self._report(translate(exc, f"rank {client.rank}: heartbeat", client.target), generation)
                             return
-                        silent = self._silent(last_ok, lag_ok)
+                        # Why the relay's count too: it answers this rank's heartbeats itself, so
+                        # only it can tell how long the coordinator has been silent (see
+                        # gridcomm._client.relay_silence).
+                        silent = max(self._silent(last_ok, lag_ok), reported(exc))
                         if silent > timeout_s:
                             self._give_up(self._lost(silent, f"{code.name}: {exc.details()}"), generation)
                             return

@@ -20,13 +20,18 @@ gRPC's own cap is raised well above ``cap``, so what a flood opens between two s
 leaves room for everyone else.
 
 Cost: a sweep reads the kernel's table only when this process holds more descriptors than half
-the cap (counting ``/proc/self/fd`` is cheap); otherwise it does nothing. Linux only: elsewhere
+the cap (counting ``/proc/self/fd`` is cheap); otherwise it does nothing. A sweep that does read
+it runs on a thread of its own, not on the server's event loop: under a flood one takes 0.1-0.7 s
+(listing ~10,000 connections and descriptors, shutting thousands down, mostly system calls that
+release the GIL), and a coordinator's two ports sweep in turn, so on the loop they held a health
+probe or a call for up to 2 s. Linux only: elsewhere
 (no ``/proc``) it never starts and gRPC's limits alone apply.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import heapq
 import logging
 import os
@@ -41,10 +46,14 @@ log = logging.getLogger(__name__)
 #: second; between two sweeps a flood adds at most rate x SWEEP_S to what the cap allows, and
 #: gRPC's own cap leaves that much room above it.
 SWEEP_S = 0.25
-#: Unauthenticated connections kept: on a coordinator's port (plus its world size), and on a health port (where no call
-#: authenticates, so every connection counts; kubelet's probe is one short connection).
+#: Unauthenticated connections kept: on a coordinator's port (plus its world size), on a relay's,
+#: and on a health port (where no call authenticates, so every connection counts; kubelet's probe
+#: is one short connection).
 CONTROL_UNAUTHENTICATED = 2048
 HEALTH_UNAUTHENTICATED = 1024
+#: On a relay's port: its node's ranks authenticate at their first call (the relay checks the
+#: token itself, at once), so fewer are kept than on the coordinator's.
+RELAY_UNAUTHENTICATED = 1024
 #: A connection is dropped only once a sweep has seen it this long without an admitted call: a
 #: client's first call goes out with its connection, so only connections that make none get this
 #: old unauthenticated. A flood that reconnects at R connections a second then holds about
@@ -182,14 +191,17 @@ class Admission:
         self._fds: dict[int, int] = {}
         #: False on a health port: no call authenticates, every connection counts.
         self._authenticates = authenticates
-        #: Peers (host, port) that made an admitted call, pruned to the connections that exist.
-        self._admitted: set[tuple[str, int]] = set()
+        #: Peers (host, port) that made an admitted call (-> when, by time.monotonic()), pruned to
+        #: the connections that exist. Written on the server's loop, pruned by a sweep's thread.
+        self._admitted: dict[tuple[str, int], float] = {}
         #: inode -> when a sweep first saw that connection (its age, for "oldest first").
         self._seen: dict[int, float] = {}
         self.dropped = 0
         self._quiet_until = 0.0
         self._trim_at = 0.0
         self._task: asyncio.Task[None] | None = None
+        #: The thread sweeps run on (made at the first sweep that has connections to count).
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._port: Callable[[], int] = lambda: 0
 
     def admitted(self, peer: str) -> None:
@@ -198,7 +210,7 @@ class Admission:
         if self._authenticates:
             address = peer_of(peer)
             if address is not None:
-                self._admitted.add(address)
+                self._admitted[address] = time.monotonic()
 
     def served(self, peer: str) -> None:
         """A health call came from ``peer``: on a health port (where no call authenticates) its
@@ -206,7 +218,7 @@ class Admission:
         if not self._authenticates:
             address = peer_of(peer)
             if address is not None:
-                self._admitted.add(address)
+                self._admitted[address] = time.monotonic()
 
     def start(self, port: Callable[[], int]) -> None:
         """Sweeps the port ``port()`` names (the server's current one) on the running loop."""
@@ -219,12 +231,28 @@ class Admission:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.shutdown(wait=False)
+
+    def _crowded(self) -> bool:
+        """Whether this process holds more descriptors than half the cap (else no sweep is due)."""
+        try:
+            return len(os.listdir("/proc/self/fd")) > self.cap // 2
+        except OSError:
+            return False
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(SWEEP_S)
             try:
-                self.sweep()
+                if not self._crowded():
+                    self._seen = {}
+                    continue
+                if self._thread is None:
+                    self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"gridcomm-{self.name}")
+                await loop.run_in_executor(self._thread, self.sweep)
             except Exception:  # noqa: BLE001 - a sweep that fails leaves gRPC's own limits
                 log.exception("%s: counting its unauthenticated connections failed", self.name)
 
@@ -245,8 +273,13 @@ class Admission:
         seen = self._seen
         self._seen = {inode: seen.get(inode, now) for _, inode in present}
         peers = {peer for peer, _ in present}
-        self._admitted &= peers
-        waiting = [(peer, inode) for peer, inode in present if peer not in self._admitted]
+        admitted = self._admitted
+        # Only what was admitted before the listing: a connection accepted since may be admitted
+        # meanwhile (on the loop) and is not in ``present`` yet.
+        for peer, at in list(admitted.items()):
+            if at < now and peer not in peers:
+                admitted.pop(peer, None)
+        waiting = [(peer, inode) for peer, inode in present if peer not in admitted]
         excess = len(waiting) - self.cap
         if excess <= 0:
             return 0
