@@ -132,6 +132,14 @@ def probe(heartbeat: pb.HeartbeatRequest) -> pb.HeartbeatRequest:
     return out
 
 
+def lost_report(lost: list[tuple[int, int, pb.Caller]], relay: str) -> pb.HeartbeatRequest:
+    """A relayed heartbeat that names processes (rank, incarnation, their latest caller) whose
+    stream to the relay ``relay`` ended without their leaving; answered at once."""
+    return pb.HeartbeatRequest(caller=lost[0][2], relayed=True, lost_relay=relay,
+                               lost_ranks=[rank for rank, _, _ in lost],
+                               lost_incarnations=[incarnation for _, incarnation, _ in lost])
+
+
 def answered(result: pb.SessionResult, op_id: int) -> pb.SessionResult:
     """The coordinator's answer to an operation, as the answer to a child's ``op_id``."""
     out = pb.SessionResult()

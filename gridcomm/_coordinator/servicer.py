@@ -23,6 +23,7 @@ import grpc
 
 from gridcomm._coordinator.answers import Abort, RefusalLog, bounded, failure_pb, member_pb
 from gridcomm._coordinator.metrics import CoordinatorMetrics
+from gridcomm._coordinator.relay_lost import RelayLosses
 from gridcomm._coordinator.state import (
     REBUILD,
     RESOURCE_EXHAUSTED,
@@ -114,6 +115,9 @@ class Servicer(StoreOps):
         self._told: dict[int, tuple[int, int, int]] = {}
         #: (rank, incarnation) -> its Session operations in flight (see admit_op).
         self._in_flight: dict[tuple[int, int], int] = {}
+        #: Ranks behind relays whose connection to them dropped (see gridcomm._coordinator.relay_lost).
+        self._lost = RelayLosses(self._state, self._loop, self.lag, lambda: owner.connection_grace_s,
+                                 lambda: owner.closing, self._fail)
 
     @property
     def world_size(self) -> int:
@@ -645,10 +649,11 @@ class Servicer(StoreOps):
                 if wrong is not None:
                     raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"a heartbeat of rank {member.rank}: {wrong}.")
         state.heartbeat(member.rank, now, self.lag.total_s)
+        self._lost.heard(member.rank)
         beat = member.last_heartbeat
         self._wake(("beat", member.rank))  # a second process for this rank may wait to learn it is alive
         known = (member.incarnation, state.generation, len(state.failures))
-        held = state.failed and self._told.get(member.rank) == known
+        told = state.failed and self._told.get(member.rank) == known
 
         def news() -> bool:
             # Why held while failed: this process was already answered with these failures; a
@@ -656,9 +661,11 @@ class Servicer(StoreOps):
             # a death meanwhile would wait out the silence bound instead of the connection grace
             # (the held call's cancellation is how a death is seen). It is answered at a new
             # failure, at a failure of a later generation, or at its wait.
-            return ((state.generation, len(state.failures)) != known[1:] if held else state.failed) or \
+            return ((state.generation, len(state.failures)) != known[1:] if told else state.failed) or \
                 state.progress.probing(member.rank)
 
+        held = (member.rank, member.incarnation)
+        self._lost.hold(held)
         try:
             await self._wait(("failure",), news, min(request.wait_s, self._owner.heartbeat_timeout_s),
                              deadline, "heartbeat", fail_fast=False)
@@ -667,6 +674,8 @@ class Servicer(StoreOps):
             # went away (or it merely re-dials). Give it a moment to heartbeat again, then fail it.
             self._loop.call_later(self._owner.connection_grace_s, self._check_lost, member, beat, self.lag.total_s)
             raise
+        finally:
+            self._lost.release(held)
         if state.failed and request.wait_s > 0:
             # Why only a heartbeat that could wait (a watcher's, not a poll), remembered before
             # the answer is delivered: one lost with its connection costs that rank at most one
@@ -717,6 +726,7 @@ class Servicer(StoreOps):
         now, lag = self._now(), self.lag.total_s
         bound = self._owner.heartbeat_timeout_s
         self.metrics.ops["heartbeat"] += count
+        carried: list[int] = []
         progress: dict[int, list[Any]] = {}
         for p in request.progress:
             progress.setdefault(p.rank, []).append(p)
@@ -748,8 +758,11 @@ class Servicer(StoreOps):
             at = now - (min(age, limit) if age == age and age > 0 else 0.0)
             if member.last_heartbeat is None or at > member.last_heartbeat:
                 state.heartbeat(rank, at, lag)
+                carried.append(rank)
                 if ("beat", rank) in waiters:
                     self._wake(("beat", rank))
+        self._lost.heard_relayed(carried)
+        self._lost.report(request)  # after the ranks it still carries: a report is about them
         resend = state.progress_refresh(refresh, now) if refresh else []
         served = [rank for rank in ranks if rank in state.members]
         await self._wait(("failure",), lambda: state.failed or any(state.progress.probing(r) for r in served),
