@@ -88,9 +88,12 @@ def launch(*args: str, env: dict | None = None, timeout: float = 150) -> subproc
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("victim", [0, 2])
-def test_a_rank_killed_by_sigkill_is_restarted_and_the_survivors_rebuild(tmp_path, victim):
-    """Rank 0 too: with restarts the launcher hosts the coordinator, so rank 0 is a rank like any."""
+@pytest.mark.parametrize(("victim", "relay"), [(0, "off"), (2, "off"), (0, "on"), (2, "on")])
+def test_a_rank_killed_by_sigkill_is_restarted_and_the_survivors_rebuild(tmp_path, victim, relay):
+    """Rank 0 too: with restarts the launcher hosts the coordinator, so rank 0 is a rank like any.
+    With GRIDCOMM_RELAY=on the launcher's relay carries its ranks: the killed rank is named within
+    the connection grace there too (its relay reports its stream's end), before the survivors'
+    rebuild looks for the failure."""
     script = tmp_path / "ranks.py"
     script.write_text(RANK_CODE)
     out = tmp_path / "out"
@@ -98,7 +101,8 @@ def test_a_rank_killed_by_sigkill_is_restarted_and_the_survivors_rebuild(tmp_pat
     log = open(tmp_path / "stdout", "w+")
     err = open(tmp_path / "stderr", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "gridcomm", "launch", "--nproc", "3", "--max-restarts", "1",
-                             "--backend", "host", str(script), str(out)], stdout=log, stderr=err, env=ENV)
+                             "--backend", "host", str(script), str(out)], stdout=log, stderr=err,
+                            env=dict(ENV, GRIDCOMM_RELAY=relay))
     try:
         wait_for(lambda: all((out / f"pid-{r}-0").exists() for r in range(3)), "every rank started", 90)
         os.kill(int((out / f"pid-{victim}-0").read_text()), signal.SIGKILL)

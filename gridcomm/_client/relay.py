@@ -419,13 +419,21 @@ class Relay:
     def _report_lost(self, child: Child) -> None:
         """``child``'s stream ended without its processes leaving: the coordinator is told at once
         which processes it proved to be (see gridcomm._client.relay_children.lost_report)."""
-        lost = [(rank, incarnation, beat[0]) for rank, incarnation in child.owned
-                if (beat := self._beats.get(rank)) is not None and beat[0].incarnation == incarnation
-                and rank not in self._ranks]  # a rank on another stream of this relay re-dialled
+        # Not a rank that is on another stream of this relay now (it re-dialled).
+        lost = sorted((rank, incarnation) for rank, incarnation in child.owned if rank not in self._ranks)
+        for rank, incarnation in lost:
+            beat = self._beats.get(rank)
+            if beat is not None and beat[0].incarnation == incarnation:
+                # Why: its age in the next heartbeats would count as a heartbeat the coordinator
+                # has not had yet (a rank killed before its first went up), and it is not alive here.
+                del self._beats[rank]
+                self._progress.pop(rank, None)
+                self._progress_up.pop(rank, None)
+                self._probes_down.pop(rank, None)
         if lost:
             log.info("relay %s: the stream of rank(s) %s ended without their leaving; the coordinator is told",
-                     self.target, sorted(rank for rank, _, _ in lost))
-            self._send("heartbeat", lost_report(lost, self.target), [], lambda result: None)
+                     self.target, [rank for rank, _ in lost])
+            self._send("heartbeat", lost_report(child, lost, self.target), [], lambda result: None)
 
     def _expected(self, key: tuple[Any, ...], request: Any) -> set[int] | None:
         """Whom a group that ``request`` opens waits for (None: nobody; it goes up at the next

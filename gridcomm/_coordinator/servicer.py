@@ -320,6 +320,7 @@ class Servicer(StoreOps):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"join of rank {request.rank}: relay address "
                         f"{address[:80]!r} is not HOST:PORT.")
         completed = await self._enter(request, base, mode, deadline)
+        self._lost.heard(request.rank)  # the stream that carried its join carries the process
         if address:
             self._relays[request.rank] = (request.incarnation, address)
         if not completed and state.refuses_waiting_replacements():
@@ -367,6 +368,7 @@ class Servicer(StoreOps):
         for rank, incarnation, hostname in joiners:
             try:
                 completed = state.join(request.job_id, rank, request.world_size, incarnation, hostname, now) or completed
+                self._lost.heard(rank)
             except StateError as exc:
                 # Why not its own status: a DEADLINE_EXCEEDED would reach every rank of the
                 # aggregate as theirs; FAILED_PRECONDITION makes the relay repeat each alone.
