@@ -104,7 +104,9 @@ def test_a_rank_killed_by_sigkill_is_restarted_and_the_survivors_rebuild(tmp_pat
                              "--backend", "host", str(script), str(out)], stdout=log, stderr=err,
                             env=dict(ENV, GRIDCOMM_RELAY=relay))
     try:
-        wait_for(lambda: all((out / f"pid-{r}-0").exists() for r in range(3)), "every rank started", 90)
+        # Written, not merely created: a rank writes its pid file after it opens it.
+        wait_for(lambda: all((out / f"pid-{r}-0").exists() and (out / f"pid-{r}-0").read_text().strip()
+                             for r in range(3)), "every rank started", 90)
         os.kill(int((out / f"pid-{victim}-0").read_text()), signal.SIGKILL)
         code = proc.wait(120)
     finally:
@@ -116,6 +118,9 @@ def test_a_rank_killed_by_sigkill_is_restarted_and_the_survivors_rebuild(tmp_pat
     stdout, stderr = log.read(), err.read()
     everything = stdout + stderr
     assert code == 0, everything
+    # Named within the connection grace, not at the silence bound (the survivors' verdict wait).
+    through = "its relay at " if relay == "on" else "the coordinator "
+    assert f"rank {victim} on " in everything and f"lost its connection to {through}" in everything, everything
     assert f"rank {victim} exited with code -9 (SIGKILL); starting it again (restart 1 of at most 1)" in stderr
     assert f"[rank {victim}] ENV {victim} 1 1" in stdout, everything  # GRIDCOMM_ and TORCHELASTIC_RESTART_COUNT
     for rank in range(3):
