@@ -5,13 +5,15 @@ cancelled, and it is failed unless it heartbeats again within the connection gra
 Servicer._check_lost). A rank behind a relay has its held heartbeat at the relay; when its Session
 stream to the relay ends without its leaving, the relay names the process (rank, incarnation) in
 its next message upstream (``HeartbeatRequest.lost_ranks``), and the coordinator applies the same
-rule: a grace in which its own loop kept up and no heartbeat of that process arrived (nor one is
-held here: the rank re-dialled the coordinator directly), then the failure.
+rule: a grace in which its own loop kept up and no heartbeat of that process arrived, then the
+failure.
 
 A relay is believed only for what it carried: a process is reported lost only by the Session
 stream its latest heartbeat came on (a relay's aggregate, or the process's own heartbeat through
 that relay), and only as the process the coordinator holds for the rank. So a token holder can
 report nobody but ranks whose heartbeats it carries; any other report is ignored, for it alone.
+And a rank that re-dialled the coordinator directly before its relay's report came is not failed
+by it: its latest heartbeat came on another stream.
 """
 
 from __future__ import annotations
@@ -43,17 +45,15 @@ def enter_stream() -> None:
 
 
 class RelayLosses:
-    """Which stream carries each rank's heartbeats, the direct heartbeats held now, and the
-    checks of the processes relays report lost."""
+    """Which stream carries each rank's heartbeats, and the checks of the processes relays
+    report lost."""
 
     def __init__(self, state: JobState, loop: asyncio.AbstractEventLoop, lag: LagMeter, grace: Callable[[], float],
                  closing: Callable[[], bool], fail: Callable[[int, str], None]) -> None:
         self._state, self._loop, self._lag = state, loop, lag
         self._grace, self._closing, self._fail = grace, closing, fail
-        #: rank -> the Session stream its latest heartbeat came on (None: a unary call).
+        #: rank -> the Session stream its latest heartbeat (or its join) came on (None: a unary call).
         self._via: dict[int, int | None] = {}
-        #: (rank, incarnation) -> its direct heartbeat calls held here now.
-        self._held: dict[tuple[int, int], int] = {}
 
     # ------------------------------------------------------------------ what carries whom
     def heard(self, rank: int) -> None:
@@ -65,14 +65,6 @@ class RelayLosses:
         via = self._via
         for rank in ranks:
             via[rank] = stream
-
-    def hold(self, key: tuple[int, int]) -> None:
-        self._held[key] = self._held.get(key, 0) + 1
-
-    def release(self, key: tuple[int, int]) -> None:
-        count = self._held.pop(key, 1) - 1
-        if count > 0:
-            self._held[key] = count
 
     # ------------------------------------------------------------------ reports
     def report(self, request: Any) -> None:
@@ -107,6 +99,6 @@ class RelayLosses:
             if state.lost_connection(member, beat) and not self._closing():
                 self._loop.call_later(self._grace(), self._check, member, beat, self._lag.total_s, relay)
             return
-        if state.lost_connection(member, beat) and not self._held.get((member.rank, member.incarnation)):
+        if state.lost_connection(member, beat):
             self._fail(member.rank, f"rank {member.rank} on {member.hostname or '?'} lost its connection to its "
                        f"relay at {relay} without leaving (process killed, crashed, or network cut)")

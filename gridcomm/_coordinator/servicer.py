@@ -655,7 +655,7 @@ class Servicer(StoreOps):
         beat = member.last_heartbeat
         self._wake(("beat", member.rank))  # a second process for this rank may wait to learn it is alive
         known = (member.incarnation, state.generation, len(state.failures))
-        told = state.failed and self._told.get(member.rank) == known
+        held = state.failed and self._told.get(member.rank) == known
 
         def news() -> bool:
             # Why held while failed: this process was already answered with these failures; a
@@ -663,11 +663,9 @@ class Servicer(StoreOps):
             # a death meanwhile would wait out the silence bound instead of the connection grace
             # (the held call's cancellation is how a death is seen). It is answered at a new
             # failure, at a failure of a later generation, or at its wait.
-            return ((state.generation, len(state.failures)) != known[1:] if told else state.failed) or \
+            return ((state.generation, len(state.failures)) != known[1:] if held else state.failed) or \
                 state.progress.probing(member.rank)
 
-        held = (member.rank, member.incarnation)
-        self._lost.hold(held)
         try:
             await self._wait(("failure",), news, min(request.wait_s, self._owner.heartbeat_timeout_s),
                              deadline, "heartbeat", fail_fast=False)
@@ -676,8 +674,6 @@ class Servicer(StoreOps):
             # went away (or it merely re-dials). Give it a moment to heartbeat again, then fail it.
             self._loop.call_later(self._owner.connection_grace_s, self._check_lost, member, beat, self.lag.total_s)
             raise
-        finally:
-            self._lost.release(held)
         if state.failed and request.wait_s > 0:
             # Why only a heartbeat that could wait (a watcher's, not a poll), remembered before
             # the answer is delivered: one lost with its connection costs that rank at most one
