@@ -88,9 +88,12 @@ def launch(*args: str, env: dict | None = None, timeout: float = 150) -> subproc
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("victim", [0, 2])
-def test_a_rank_killed_by_sigkill_is_restarted_and_the_survivors_rebuild(tmp_path, victim):
-    """Rank 0 too: with restarts the launcher hosts the coordinator, so rank 0 is a rank like any."""
+@pytest.mark.parametrize(("victim", "relay"), [(0, "off"), (2, "off"), (0, "on"), (2, "on")])
+def test_a_rank_killed_by_sigkill_is_restarted_and_the_survivors_rebuild(tmp_path, victim, relay):
+    """Rank 0 too: with restarts the launcher hosts the coordinator, so rank 0 is a rank like any.
+    With GRIDCOMM_RELAY=on the launcher's relay carries its ranks: the killed rank is named within
+    the connection grace there too (its relay reports its stream's end), before the survivors'
+    rebuild looks for the failure."""
     script = tmp_path / "ranks.py"
     script.write_text(RANK_CODE)
     out = tmp_path / "out"
@@ -98,9 +101,12 @@ def test_a_rank_killed_by_sigkill_is_restarted_and_the_survivors_rebuild(tmp_pat
     log = open(tmp_path / "stdout", "w+")
     err = open(tmp_path / "stderr", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "gridcomm", "launch", "--nproc", "3", "--max-restarts", "1",
-                             "--backend", "host", str(script), str(out)], stdout=log, stderr=err, env=ENV)
+                             "--backend", "host", str(script), str(out)], stdout=log, stderr=err,
+                            env=dict(ENV, GRIDCOMM_RELAY=relay))
     try:
-        wait_for(lambda: all((out / f"pid-{r}-0").exists() for r in range(3)), "every rank started", 90)
+        # Written, not merely created: a rank writes its pid file after it opens it.
+        wait_for(lambda: all((out / f"pid-{r}-0").exists() and (out / f"pid-{r}-0").read_text().strip()
+                             for r in range(3)), "every rank started", 90)
         os.kill(int((out / f"pid-{victim}-0").read_text()), signal.SIGKILL)
         code = proc.wait(120)
     finally:
@@ -112,6 +118,9 @@ def test_a_rank_killed_by_sigkill_is_restarted_and_the_survivors_rebuild(tmp_pat
     stdout, stderr = log.read(), err.read()
     everything = stdout + stderr
     assert code == 0, everything
+    # Named within the connection grace, not at the silence bound (the survivors' verdict wait).
+    through = "its relay at " if relay == "on" else "the coordinator "
+    assert f"rank {victim} on " in everything and f"lost its connection to {through}" in everything, everything
     assert f"rank {victim} exited with code -9 (SIGKILL); starting it again (restart 1 of at most 1)" in stderr
     assert f"[rank {victim}] ENV {victim} 1 1" in stdout, everything  # GRIDCOMM_ and TORCHELASTIC_RESTART_COUNT
     for rank in range(3):

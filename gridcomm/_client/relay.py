@@ -15,8 +15,10 @@ token); the relay holds one Session stream to the coordinator and carries their 
 - a rank's heartbeat is answered by the relay itself (at its wait, or at once when the relay
   learns of a failure); the relay sends the coordinator one heartbeat for all its ranks every
   ``bound / 6``, with the age of each one's last heartbeat, so the coordinator judges every rank by
-  its own silence with the same bound. A rank that dies behind a relay is named as fast as one
-  that dials the coordinator directly, within the bound.
+  its own silence with the same bound. A rank whose stream to the relay ends without its leaving
+  (its process killed, its connection cut) is reported to the coordinator at once, which fails it
+  after the same connection grace as a rank whose own heartbeat call to it dropped
+  (gridcomm._coordinator.relay_lost).
 
 If an aggregate is refused, each of its operations is repeated alone, so every rank gets the answer
 its own call would have got. If the stream to the coordinator breaks, the relay ends its ranks'
@@ -38,7 +40,7 @@ import grpc
 from gridcomm import _config
 from gridcomm._client import relay_tls
 from gridcomm._client.channel import make_aio_channel
-from gridcomm._client.relay_children import Child, answered, probe
+from gridcomm._client.relay_children import Child, answered, lost_report, probe
 from gridcomm._client.relay_silence import Silence, silent_answer
 from gridcomm._errors import ConfigError, GridcommError
 from gridcomm._proto import coordinator_pb2 as pb
@@ -291,6 +293,7 @@ class Relay:
         self._children.add(child)
         writer = child.writer = asyncio.ensure_future(child.write())
         refusal: tuple[grpc.StatusCode, str] | None = None
+        cut = False
         try:
             while True:
                 request = await context.read()
@@ -309,10 +312,18 @@ class Relay:
                 await asyncio.sleep(0.05)
             while refusal is None and child.results and not child.closed:
                 await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            # The stream was cancelled (while reading, or answering what it had in flight after
+            # its end of it closed): its process died or its connection went.
+            cut = True
+            raise
         finally:
+            ended_here = child.closed  # this relay ended it (its upstream broke, or it stopped)
             child.close()
             self._children.discard(child)
             self._forget(child)
+            if cut and not ended_here and not self._stopped:
+                self._report_lost(child)
             # Why the writer ends first: an abort while a reply is being written fails (too many
             # operations on the call) and leaves the stream hanging.
             try:
@@ -404,6 +415,25 @@ class Relay:
             if entry is not None and entry[0] is child:
                 del self._ranks[rank]
         child.ranks.clear()
+
+    def _report_lost(self, child: Child) -> None:
+        """``child``'s stream ended without its processes leaving: the coordinator is told at once
+        which processes it proved to be (see gridcomm._client.relay_children.lost_report)."""
+        # Not a rank that is on another stream of this relay now (it re-dialled).
+        lost = sorted((rank, incarnation) for rank, incarnation in child.owned if rank not in self._ranks)
+        for rank, incarnation in lost:
+            beat = self._beats.get(rank)
+            if beat is not None and beat[0].incarnation == incarnation:
+                # Why: its age in the next heartbeats would count as a heartbeat the coordinator
+                # has not had yet (a rank killed before its first went up), and it is not alive here.
+                del self._beats[rank]
+                self._progress.pop(rank, None)
+                self._progress_up.pop(rank, None)
+                self._probes_down.pop(rank, None)
+        if lost:
+            log.info("relay %s: the stream of rank(s) %s ended without their leaving; the coordinator is told",
+                     self.target, [rank for rank, _ in lost])
+            self._send("heartbeat", lost_report(child, lost, self.target), [], lambda result: None)
 
     def _expected(self, key: tuple[Any, ...], request: Any) -> set[int] | None:
         """Whom a group that ``request`` opens waits for (None: nobody; it goes up at the next

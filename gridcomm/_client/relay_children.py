@@ -52,8 +52,10 @@ class Child:
         self.writer: asyncio.Task[None] | None = None
         #: The ranks whose operations this stream carried (see Relay._note).
         self.ranks: set[int] = set()
-        #: The processes (rank, incarnation) this stream has proven to be.
+        #: The processes (rank, incarnation) this stream has proven to be (less those that left).
         self.owned: set[tuple[int, int]] = set()
+        #: The job its processes are of (as their latest operation the coordinator accepted named it).
+        self.job_id = ""
 
     # ------------------------------------------------------------------ identity
     def owns(self, caller: pb.Caller) -> bool:
@@ -68,10 +70,16 @@ class Child:
         if kind == "join":
             if not code and self.can_own():
                 self.owned.add((op.join.rank, op.join.incarnation))
+                self.job_id = op.join.job_id
             return
         caller = getattr(getattr(op, kind), "caller", None)
-        if caller is not None and code in (0, _DEADLINE) and self.can_own():
+        if caller is None or code not in (0, _DEADLINE):
+            return
+        if kind == "leave" and not code:
+            self.owned.discard((caller.rank, caller.incarnation))  # gone by leaving: never lost
+        elif self.can_own():
             self.owned.add((caller.rank, caller.incarnation))
+            self.job_id = caller.job_id
 
     # ------------------------------------------------------------------ bounds
     def admit(self, op: pb.SessionOp, kind: str | None) -> bool:
@@ -130,6 +138,14 @@ def probe(heartbeat: pb.HeartbeatRequest) -> pb.HeartbeatRequest:
     the same heartbeat as the rank's own, answered at once."""
     out = pb.HeartbeatRequest(caller=heartbeat.caller, progress=heartbeat.progress[:64])
     return out
+
+
+def lost_report(child: Child, lost: list[tuple[int, int]], relay: str) -> pb.HeartbeatRequest:
+    """A relayed heartbeat that names processes (rank, incarnation) of ``child`` whose stream to
+    the relay ``relay`` ended without their leaving; answered at once."""
+    return pb.HeartbeatRequest(caller=pb.Caller(job_id=child.job_id, rank=lost[0][0], incarnation=lost[0][1]),
+                               relayed=True, lost_relay=relay, lost_ranks=[rank for rank, _ in lost],
+                               lost_incarnations=[incarnation for _, incarnation in lost])
 
 
 def answered(result: pb.SessionResult, op_id: int) -> pb.SessionResult:

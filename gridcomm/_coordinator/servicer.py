@@ -23,6 +23,7 @@ import grpc
 
 from gridcomm._coordinator.answers import Abort, RefusalLog, bounded, failure_pb, member_pb
 from gridcomm._coordinator.metrics import CoordinatorMetrics
+from gridcomm._coordinator.relay_lost import RelayLosses
 from gridcomm._coordinator.state import (
     REBUILD,
     RESOURCE_EXHAUSTED,
@@ -114,6 +115,9 @@ class Servicer(StoreOps):
         self._told: dict[int, tuple[int, int, int]] = {}
         #: (rank, incarnation) -> its Session operations in flight (see admit_op).
         self._in_flight: dict[tuple[int, int], int] = {}
+        #: Ranks behind relays whose connection to them dropped (see gridcomm._coordinator.relay_lost).
+        self._lost = RelayLosses(self._state, self._loop, self.lag, lambda: owner.connection_grace_s,
+                                 lambda: owner.closing, self._fail)
 
     @property
     def world_size(self) -> int:
@@ -316,6 +320,7 @@ class Servicer(StoreOps):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"join of rank {request.rank}: relay address "
                         f"{address[:80]!r} is not HOST:PORT.")
         completed = await self._enter(request, base, mode, deadline)
+        self._lost.heard(request.rank)  # the stream that carried its join carries the process
         if address:
             self._relays[request.rank] = (request.incarnation, address)
         if not completed and state.refuses_waiting_replacements():
@@ -363,6 +368,7 @@ class Servicer(StoreOps):
         for rank, incarnation, hostname in joiners:
             try:
                 completed = state.join(request.job_id, rank, request.world_size, incarnation, hostname, now) or completed
+                self._lost.heard(rank)
             except StateError as exc:
                 # Why not its own status: a DEADLINE_EXCEEDED would reach every rank of the
                 # aggregate as theirs; FAILED_PRECONDITION makes the relay repeat each alone.
@@ -645,6 +651,7 @@ class Servicer(StoreOps):
                 if wrong is not None:
                     raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"a heartbeat of rank {member.rank}: {wrong}.")
         state.heartbeat(member.rank, now, self.lag.total_s)
+        self._lost.heard(member.rank)
         beat = member.last_heartbeat
         self._wake(("beat", member.rank))  # a second process for this rank may wait to learn it is alive
         known = (member.incarnation, state.generation, len(state.failures))
@@ -717,6 +724,7 @@ class Servicer(StoreOps):
         now, lag = self._now(), self.lag.total_s
         bound = self._owner.heartbeat_timeout_s
         self.metrics.ops["heartbeat"] += count
+        carried: list[int] = []
         progress: dict[int, list[Any]] = {}
         for p in request.progress:
             progress.setdefault(p.rank, []).append(p)
@@ -748,8 +756,11 @@ class Servicer(StoreOps):
             at = now - (min(age, limit) if age == age and age > 0 else 0.0)
             if member.last_heartbeat is None or at > member.last_heartbeat:
                 state.heartbeat(rank, at, lag)
+                carried.append(rank)
                 if ("beat", rank) in waiters:
                     self._wake(("beat", rank))
+        self._lost.heard_relayed(carried)
+        self._lost.report(request)  # after the ranks it still carries: a report is about them
         resend = state.progress_refresh(refresh, now) if refresh else []
         served = [rank for rank in ranks if rank in state.members]
         await self._wait(("failure",), lambda: state.failed or any(state.progress.probing(r) for r in served),

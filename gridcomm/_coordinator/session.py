@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from gridcomm._coordinator.answers import Abort, details, refuse, status_of
+from gridcomm._coordinator.relay_lost import enter_stream
 from gridcomm._coordinator.servicer import Servicer
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._wire import UNDECODABLE
@@ -56,6 +57,7 @@ class ServerSession:
         self._max_results = 4 * self._max_ops
 
     async def serve(self) -> None:
+        enter_stream()  # its operations' tasks know which stream they came on (gridcomm._coordinator.relay_lost)
         writer = asyncio.ensure_future(self._write())
         try:
             while True:

@@ -260,7 +260,7 @@ class BarrierResponse(_message.Message):
     def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("caller", "wait_s", "also_ranks", "also_incarnations", "also_generations", "also_age_s", "also_progress_same", "relayed", "progress")
+    __slots__ = ("caller", "wait_s", "also_ranks", "also_incarnations", "also_generations", "also_age_s", "also_progress_same", "relayed", "progress", "lost_ranks", "lost_incarnations", "lost_relay")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     ALSO_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +270,9 @@ class HeartbeatRequest(_message.Message):
     ALSO_PROGRESS_SAME_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    LOST_RANKS_FIELD_NUMBER: _ClassVar[int]
+    LOST_INCARNATIONS_FIELD_NUMBER: _ClassVar[int]
+    LOST_RELAY_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     wait_s: float
     also_ranks: _containers.RepeatedScalarFieldContainer[int]
@@ -279,7 +282,10 @@ class HeartbeatRequest(_message.Message):
     also_progress_same: _containers.RepeatedScalarFieldContainer[bool]
     relayed: bool
     progress: _containers.RepeatedCompositeFieldContainer[Progress]
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., wait_s: _Optional[float] = ..., also_ranks: _Optional[_Iterable[int]] = ..., also_incarnations: _Optional[_Iterable[int]] = ..., also_generations: _Optional[_Iterable[int]] = ..., also_age_s: _Optional[_Iterable[float]] = ..., also_progress_same: _Optional[_Iterable[bool]] = ..., relayed: bool = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ...) -> None: ...
+    lost_ranks: _containers.RepeatedScalarFieldContainer[int]
+    lost_incarnations: _containers.RepeatedScalarFieldContainer[int]
+    lost_relay: str
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., wait_s: _Optional[float] = ..., also_ranks: _Optional[_Iterable[int]] = ..., also_incarnations: _Optional[_Iterable[int]] = ..., also_generations: _Optional[_Iterable[int]] = ..., also_age_s: _Optional[_Iterable[float]] = ..., also_progress_same: _Optional[_Iterable[bool]] = ..., relayed: bool = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., lost_incarnations: _Optional[_Iterable[int]] = ..., lost_relay: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("failures", "generation", "progress_resend", "digest_probes")
