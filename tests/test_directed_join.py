@@ -119,3 +119,33 @@ def test_first_contacts_are_answered_at_once_and_a_relay_speaks_for_its_own_grou
             with pytest.raises(grpc.RpcError) as refused:
                 first_contact(stub, **bad)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+
+
+@pytest.mark.timeout(60)
+def test_a_leader_names_its_relay_in_its_first_contact_and_its_members_are_sent_there_at_once(
+        coordinator_factory, monkeypatch):
+    """A leader that hosts its relay before it asks names it in its first contact: its members are
+    sent there from then on, before the leader's own join (no "come back"). Once the leader has
+    joined, only the relay its join registered stands."""
+    monkeypatch.setenv("GRIDCOMM_RELAY_FANIN", "4")
+    monkeypatch.delenv("GRIDCOMM_JOB_ID", raising=False)
+    server = coordinator_factory(8)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            first_contact(stub, 0, relay_address="no port")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "HOST:PORT" in refused.value.details()
+        lead = first_contact(stub, 0, relay_address="127.0.0.1:7")
+        assert lead.host_relay and lead.leader == 0, lead
+        sent = first_contact(stub, 1)
+        assert sent.relay_address == "127.0.0.1:7" and sent.retry_after_s == 0, sent
+        # A non-leader's address is not taken as its group's relay.
+        assert first_contact(stub, 5, relay_address="127.0.0.1:8").retry_after_s > 0
+        assert not first_contact(stub, 6).relay_address
+        assert set(server.state.members) == set()  # first contacts register nothing
+        # The leader joins without a relay (it could not start one): its members join directly.
+        assert join(stub, 0) == grpc.StatusCode.DEADLINE_EXCEEDED
+        direct = first_contact(stub, 2)
+        assert not direct.relay_address and direct.retry_after_s == 0 and not direct.host_relay, direct
+    contacts = server._servicer.metrics.first_contacts
+    assert contacts["relay"] == 1 and contacts["lead"] == 1, dict(contacts)

@@ -5,7 +5,10 @@ bare metal, a launcher of the user's own) first asks the coordinator where to jo
 (``JoinRequest.first_contact``). The answer comes at once, and nothing is registered or held:
 
 - "you lead" (``host_relay``): the rank hosts its group's relay, then joins the coordinator with
-  the relay's address, as a leader with a template does;
+  the relay's address, as a leader with a template does. A rank that expects to lead (its own
+  fan-in makes it a group's first rank) starts its relay before it asks and names it in the first
+  contact (``relay_address``): when the coordinator agrees, the address is its group's at once, so
+  its members are rarely told to come back;
 - "your relay is at HOST:PORT" (``relay_address``): its leader's relay is registered; the rank
   joins through it, and the relay's one aggregate waits at the coordinator for the whole group;
 - "come back in t" (``retry_after_s``): the relay does not listen yet; the rank asks again after
@@ -41,6 +44,13 @@ ASKS_PER_S = 4000.0
 LEAD_GRACE_S = 60.0
 
 
+def address_problem(address: str) -> str | None:
+    """Why ``address`` is not a relay's HOST:PORT, or None."""
+    if len(address) > 300 or ":" not in address or any(c.isspace() for c in address):
+        return f"relay address {address[:80]!r} is not HOST:PORT."
+    return None
+
+
 class Tree:
     """Which group and leader each rank has, which leaders were told to lead (and when), and which
     ranks were sent to which relay."""
@@ -58,6 +68,8 @@ class Tree:
         self._sent: dict[int, int] = {}
         #: Ranks told where to join (lead, relay or directly), each counted once.
         self._settled: set[int] = set()
+        #: leader -> (incarnation, address) of the relay it named in its first contact.
+        self._announced: dict[int, tuple[int, str]] = {}
 
     def leader(self, rank: int) -> int:
         return rank - rank % self.fanin
@@ -98,8 +110,14 @@ class Tree:
         if rank == leader:
             self._told_lead[leader] = now
             answer.host_relay = True
+            if request.relay_address:
+                problem = address_problem(request.relay_address)
+                if problem is not None:
+                    raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"first contact of rank {rank}: {problem}")
+                self._announced[leader] = (request.incarnation, request.relay_address)
             return self._settle(rank, "lead", answer)
-        address = relay_at(leader)
+        # Once the leader has joined, only the relay its join registered stands.
+        address = relay_at(leader) or ("" if leader_joined(leader) else self.announced(leader))
         if address:
             self._sent[rank] = leader
             answer.relay_address = address
@@ -109,6 +127,14 @@ class Tree:
             return self._settle(rank, "direct", answer)  # its leader hosts no relay
         answer.retry_after_s = self.retry_after_s()
         return "retry", answer
+
+    def announced(self, leader: int) -> str:
+        """The relay address ``leader`` named in its first contact ('' if none). Why it stands
+        before the leader's own join: its members join through the relay, whose one aggregate
+        waits at the coordinator; a leader that dies first leaves them a relay that does not
+        answer, and they join the coordinator directly after their relay grace."""
+        entry = self._announced.get(leader)
+        return entry[1] if entry is not None else ""
 
     def _settle(self, rank: int, kind: str, answer: pb.JoinResponse) -> tuple[str, pb.JoinResponse]:
         self._settled.add(rank)
