@@ -72,7 +72,7 @@ def test_members_of_a_late_leader_come_back_and_join_through_its_relay(coordinat
     assert {r for r, v in out.items() if v["hosts"]} == {0, 4}, out
     assert {r for r, v in out.items() if v["through"] == "relay"} == {1, 2, 3, 5, 6, 7}, out
     contacts = server._servicer.metrics.first_contacts
-    assert contacts["retry"] >= 3 and contacts["relay"] == 6, dict(contacts)
+    assert contacts["held"] >= 3 and contacts["relay"] == 6, dict(contacts)
     assert not server.state.failures
 
 
@@ -149,3 +149,33 @@ def test_a_leader_names_its_relay_in_its_first_contact_and_its_members_are_sent_
         assert not direct.relay_address and direct.retry_after_s == 0 and not direct.host_relay, direct
     contacts = server._servicer.metrics.first_contacts
     assert contacts["relay"] == 1 and contacts["lead"] == 1, dict(contacts)
+
+
+@pytest.mark.timeout(60)
+def test_a_member_that_asks_before_its_leader_is_held_and_answered_when_the_leader_asks(coordinator_factory,
+                                                                                        monkeypatch):
+    """A member's first contact made before its leader's is held (not answered "come back") and
+    answered with the relay's address the moment the leader names it."""
+    import concurrent.futures
+    import time
+
+    monkeypatch.setenv("GRIDCOMM_RELAY_FANIN", "4")
+    monkeypatch.delenv("GRIDCOMM_JOB_ID", raising=False)
+    server = coordinator_factory(8)
+    server._servicer._tree.hold_s = 30.0  # longer than this machine may stall between the two asks
+    with grpc.insecure_channel(server.address) as channel, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stub = pb_grpc.CoordinatorStub(channel)
+        held = pool.submit(lambda: stub.Join(pb.JoinRequest(job_id="default", rank=5, world_size=8, incarnation=105,
+                                                            hostname="h", first_contact=True), timeout=60))
+        deadline = time.monotonic() + 10
+        while server._servicer.metrics.first_contacts["held"] < 1:
+            assert time.monotonic() < deadline, "the member's first contact was never held"
+            time.sleep(0.01)
+        assert not held.done()
+        first_contact(stub, 4, relay_address="127.0.0.1:9")
+        asked = time.monotonic()
+        answer = held.result(timeout=50)
+        assert time.monotonic() - asked < 25, "answered at the hold's end, not when its leader asked"
+        assert answer.relay_address == "127.0.0.1:9" and answer.retry_after_s == 0, answer
+    contacts = server._servicer.metrics.first_contacts
+    assert contacts["relay"] == 1 and not contacts["retry"], dict(contacts)

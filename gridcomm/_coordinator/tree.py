@@ -24,6 +24,8 @@ ranks use. Once a first contact is answered the groups are fixed. A group's firs
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable
 
 import grpc
@@ -42,6 +44,11 @@ ASKS_PER_S = 4000.0
 #: the coordinator directly (slower at scale, never wrong). Why the coordinator decides, not each
 #: member's own clock: members that gave up together at scale all dialled the coordinator at once.
 LEAD_GRACE_S = 60.0
+#: The longest a first contact whose leader has not named its relay yet is held at the coordinator
+#: before "come back": answered the moment the leader asks (or joins). Why: asked again every
+#: 0.1-2 s, each member of a late leader's group cost a call at both ends per ask; held, a member
+#: usually asks once. A held ask is a waiting call on the connection the member keeps between asks.
+HOLD_S = 2.0
 
 
 def address_problem(address: str) -> str | None:
@@ -70,6 +77,10 @@ class Tree:
         self._settled: set[int] = set()
         #: leader -> (incarnation, address) of the relay it named in its first contact.
         self._announced: dict[int, tuple[int, str]] = {}
+        #: The longest a first contact is held for its leader (HOLD_S).
+        self.hold_s = HOLD_S
+        #: leader -> set when it asks or joins: the held first contacts of its group look again.
+        self._news: dict[int, asyncio.Event] = {}
 
     def leader(self, rank: int) -> int:
         return rank - rank % self.fanin
@@ -109,6 +120,7 @@ class Tree:
             return self._settle(rank, "direct", answer)
         if rank == leader:
             self._told_lead[leader] = now
+            self.leader_news(leader)
             answer.host_relay = True
             if request.relay_address:
                 problem = address_problem(request.relay_address)
@@ -127,6 +139,20 @@ class Tree:
             return self._settle(rank, "direct", answer)  # its leader hosts no relay
         answer.retry_after_s = self.retry_after_s()
         return "retry", answer
+
+    def leader_news(self, leader: int) -> None:
+        """``leader`` asked or joined: the first contacts of its group held meanwhile look again."""
+        event = self._news.pop(leader, None)
+        if event is not None:
+            event.set()
+
+    async def hold(self, leader: int, timeout_s: float) -> None:
+        """Waits, at most ``timeout_s``, for news of ``leader`` (see :meth:`leader_news`)."""
+        if timeout_s <= 0:
+            return
+        event = self._news.setdefault(leader, asyncio.Event())
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout_s)
 
     def announced(self, leader: int) -> str:
         """The relay address ``leader`` named in its first contact ('' if none). Why it stands
