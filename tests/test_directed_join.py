@@ -179,3 +179,18 @@ def test_a_member_that_asks_before_its_leader_is_held_and_answered_when_the_lead
         assert answer.relay_address == "127.0.0.1:9" and answer.retry_after_s == 0, answer
     contacts = server._servicer.metrics.first_contacts
     assert contacts["relay"] == 1 and not contacts["retry"], dict(contacts)
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_that_guessed_it_leads_stops_its_relay_when_the_coordinator_groups_otherwise(
+        coordinator_factory, monkeypatch):
+    """The ranks' fan-in (2) makes ranks 2 and 6 guess they lead and start a relay before they ask;
+    the coordinator's own fan-in (4) wins: they stop it and join through ranks 0's and 4's."""
+    monkeypatch.setenv("GRIDCOMM_RELAY_FANIN", "4")
+    world = 8
+    server = coordinator_factory(world, token=TOKEN)
+    out = run_job(server, world, **{str(r): {"GRIDCOMM_RELAY_FANIN": "2"} for r in range(world)})
+    assert all(v["sum"] == world for v in out.values()), out
+    assert {r for r, v in out.items() if v["hosts"]} == {0, 4}, out
+    assert {r for r, v in out.items() if v["through"] == "relay"} == {1, 2, 3, 5, 6, 7}, out
+    assert not server.state.failures
