@@ -72,7 +72,7 @@ def test_members_of_a_late_leader_come_back_and_join_through_its_relay(coordinat
     assert {r for r, v in out.items() if v["hosts"]} == {0, 4}, out
     assert {r for r, v in out.items() if v["through"] == "relay"} == {1, 2, 3, 5, 6, 7}, out
     contacts = server._servicer.metrics.first_contacts
-    assert contacts["retry"] >= 3 and contacts["relay"] == 6, dict(contacts)
+    assert contacts["held"] >= 3 and contacts["relay"] == 6, dict(contacts)
     assert not server.state.failures
 
 
@@ -119,3 +119,78 @@ def test_first_contacts_are_answered_at_once_and_a_relay_speaks_for_its_own_grou
             with pytest.raises(grpc.RpcError) as refused:
                 first_contact(stub, **bad)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+
+
+@pytest.mark.timeout(60)
+def test_a_leader_names_its_relay_in_its_first_contact_and_its_members_are_sent_there_at_once(
+        coordinator_factory, monkeypatch):
+    """A leader that hosts its relay before it asks names it in its first contact: its members are
+    sent there from then on, before the leader's own join (no "come back"). Once the leader has
+    joined, only the relay its join registered stands."""
+    monkeypatch.setenv("GRIDCOMM_RELAY_FANIN", "4")
+    monkeypatch.delenv("GRIDCOMM_JOB_ID", raising=False)
+    server = coordinator_factory(8)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            first_contact(stub, 0, relay_address="no port")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "HOST:PORT" in refused.value.details()
+        lead = first_contact(stub, 0, relay_address="127.0.0.1:7")
+        assert lead.host_relay and lead.leader == 0, lead
+        sent = first_contact(stub, 1)
+        assert sent.relay_address == "127.0.0.1:7" and sent.retry_after_s == 0, sent
+        # A non-leader's address is not taken as its group's relay.
+        assert first_contact(stub, 5, relay_address="127.0.0.1:8").retry_after_s > 0
+        assert not first_contact(stub, 6).relay_address
+        assert set(server.state.members) == set()  # first contacts register nothing
+        # The leader joins without a relay (it could not start one): its members join directly.
+        assert join(stub, 0) == grpc.StatusCode.DEADLINE_EXCEEDED
+        direct = first_contact(stub, 2)
+        assert not direct.relay_address and direct.retry_after_s == 0 and not direct.host_relay, direct
+    contacts = server._servicer.metrics.first_contacts
+    assert contacts["relay"] == 1 and contacts["lead"] == 1, dict(contacts)
+
+
+@pytest.mark.timeout(60)
+def test_a_member_that_asks_before_its_leader_is_held_and_answered_when_the_leader_asks(coordinator_factory,
+                                                                                        monkeypatch):
+    """A member's first contact made before its leader's is held (not answered "come back") and
+    answered with the relay's address the moment the leader names it."""
+    import concurrent.futures
+    import time
+
+    monkeypatch.setenv("GRIDCOMM_RELAY_FANIN", "4")
+    monkeypatch.delenv("GRIDCOMM_JOB_ID", raising=False)
+    server = coordinator_factory(8)
+    server._servicer._tree.hold_s = 30.0  # longer than this machine may stall between the two asks
+    with grpc.insecure_channel(server.address) as channel, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stub = pb_grpc.CoordinatorStub(channel)
+        held = pool.submit(lambda: stub.Join(pb.JoinRequest(job_id="default", rank=5, world_size=8, incarnation=105,
+                                                            hostname="h", first_contact=True), timeout=60))
+        deadline = time.monotonic() + 10
+        while server._servicer.metrics.first_contacts["held"] < 1:
+            assert time.monotonic() < deadline, "the member's first contact was never held"
+            time.sleep(0.01)
+        assert not held.done()
+        first_contact(stub, 4, relay_address="127.0.0.1:9")
+        asked = time.monotonic()
+        answer = held.result(timeout=50)
+        assert time.monotonic() - asked < 25, "answered at the hold's end, not when its leader asked"
+        assert answer.relay_address == "127.0.0.1:9" and answer.retry_after_s == 0, answer
+    contacts = server._servicer.metrics.first_contacts
+    assert contacts["relay"] == 1 and not contacts["retry"], dict(contacts)
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_that_guessed_it_leads_stops_its_relay_when_the_coordinator_groups_otherwise(
+        coordinator_factory, monkeypatch):
+    """The ranks' fan-in (2) makes ranks 2 and 6 guess they lead and start a relay before they ask;
+    the coordinator's own fan-in (4) wins: they stop it and join through ranks 0's and 4's."""
+    monkeypatch.setenv("GRIDCOMM_RELAY_FANIN", "4")
+    world = 8
+    server = coordinator_factory(world, token=TOKEN)
+    out = run_job(server, world, **{str(r): {"GRIDCOMM_RELAY_FANIN": "2"} for r in range(world)})
+    assert all(v["sum"] == world for v in out.values()), out
+    assert {r for r, v in out.items() if v["hosts"]} == {0, 4}, out
+    assert {r for r, v in out.items() if v["through"] == "relay"} == {1, 2, 3, 5, 6, 7}, out
+    assert not server.state.failures

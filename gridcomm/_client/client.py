@@ -323,10 +323,18 @@ class CoordinatorClient:
         """The directed join: the coordinator says whether this rank hosts its group's relay, joins
         through it (then this rank's connection to the coordinator is closed: it needs none), or
         joins the coordinator directly."""
-        answer = _directed.ask(self, until)
+        fanin = self.settings.fanin(self.world_size)
+        if self.rank % fanin == 0:
+            self._host_relay(self.rank, fanin, None)  # before it asks: its first contact names it
+        answer = _directed.ask(self, until, self.relay.target if self.relay is not None else "")
         if answer is None:
             return
+        if self.relay is not None and not answer.host_relay:
+            relay, self.relay = self.relay, None  # the coordinator's groups are not this rank's guess
+            relay.stop()
         if answer.host_relay:
+            if self.relay is not None:  # named in the first contact: it stays, for the coordinator's group
+                self.relay.regroup(range(self.rank + 1, min(self.rank + answer.fanin, self.world_size)))
             self._host_relay(answer.leader, answer.fanin, None)
             return
         if answer.leader != self.rank:

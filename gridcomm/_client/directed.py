@@ -81,26 +81,27 @@ def _ask_once(asker: Asker, request: pb.JoinRequest, what: str, timeout_s: float
         raise translate(exc, what, client.target) from None
 
 
-def ask(client: Any, until: float) -> pb.JoinResponse | None:
+def ask(client: Any, until: float, relay_address: str = "") -> pb.JoinResponse | None:
     """Asks the coordinator where ``client``'s rank joins, again as told, until it is told where
-    or ``until`` (monotonic) passes. Returns the answer that directs it (``host_relay``,
+    or ``until`` (monotonic) passes. ``relay_address``: the relay this rank already hosts, in case
+    it leads its group (then its members are sent there from this ask on). Returns the answer that directs it (``host_relay``,
     ``relay_address``, or neither: join directly), or None: no direction in time (or a
     coordinator that does not direct joins); the rank then joins the coordinator directly."""
     asker = Asker(client)
     try:
-        return _ask(client, asker, until)
+        return _ask(client, asker, until, relay_address)
     finally:
         asker.close()
 
 
-def _ask(client: Any, asker: Asker, until: float) -> pb.JoinResponse | None:
+def _ask(client: Any, asker: Asker, until: float, relay_address: str) -> pb.JoinResponse | None:
     what = f"rank {client.rank}: first contact"
     backoff = ASK_BACKOFF_S
     asks = 0
     while (left := until - time.monotonic()) > 0:
         request = pb.JoinRequest(job_id=client.job_id, rank=client.rank, world_size=client.world_size,
                                  incarnation=client.incarnation, hostname=client.hostname, first_contact=True,
-                                 fanin=client.settings.relay_fanin or 0)
+                                 fanin=client.settings.relay_fanin or 0, relay_address=relay_address)
         asks += 1
         try:
             answer = _ask_once(asker, request, what, min(left, ASK_TIMEOUT_S))

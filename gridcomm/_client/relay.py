@@ -195,6 +195,10 @@ class Relay:
         """Unauthenticated connections its port's admission dropped (gridcomm._runtime.admission)."""
         return self._admission.dropped if self._admission is not None else 0
 
+    def regroup(self, ranks: Iterable[int]) -> None:
+        """The ranks it carries are ``ranks`` (the coordinator's groups, not its host's guess)."""
+        self._group = frozenset(ranks)
+
     @property
     def target(self) -> str:
         host = "127.0.0.1" if self.bind in ("0.0.0.0", "::", "") else self.bind

@@ -348,7 +348,8 @@ class _Collector:
         yield messages
         contacts = CounterMetricFamily("gridcomm_first_contacts", "The relay tree's directed join: first contacts "
                                        "answered, by answer (lead: host a relay; relay: join through it; retry: come "
-                                       "back later; direct: join the coordinator).", labels=["answer"])
+                                       "back later; direct: join the coordinator; held: held first for its leader, then counted by its "
+                                       "answer too).", labels=["answer"])
         for kind, count in sorted(snap.first_contacts.items()):
             contacts.add_metric([kind], count)
         yield contacts

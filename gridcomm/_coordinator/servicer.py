@@ -305,7 +305,7 @@ class Servicer(StoreOps):
     async def join(self, request: pb.JoinRequest, deadline: float | None) -> pb.JoinResponse:
         state = self._state
         if request.first_contact:
-            return self._first_contact(request)
+            return await self._first_contact(request, deadline)
         self.metrics.messages["join"] += 1
         if request.also:
             return await self._join_aggregate(request, deadline)
@@ -323,6 +323,7 @@ class Servicer(StoreOps):
         self._lost.heard(request.rank)  # the stream that carried its join carries the process
         if address:
             self._relays[request.rank] = (request.incarnation, address)
+        self._tree.leader_news(request.rank)
         if not completed and state.refuses_waiting_replacements():
             self._wake(("join",))  # replacements that wait learn that they are not admitted
         if completed:
@@ -432,14 +433,26 @@ class Servicer(StoreOps):
             cached = self._missing_answer = (key, text, ((MISSING_KEY, ranks_text(missing)),))
         return cached[1], cached[2]
 
-    def _first_contact(self, request: pb.JoinRequest) -> pb.JoinResponse:
-        """A rank of the tree asks where to join: answered at once (see gridcomm._coordinator.tree)."""
+    async def _first_contact(self, request: pb.JoinRequest, deadline: float | None) -> pb.JoinResponse:
+        """A rank of the tree asks where to join: answered at once, or once its leader asks or
+        joins, at most its hold later (see gridcomm._coordinator.tree)."""
         state = self._state
-        kind, answer = self._tree.first_contact(
-            request, job_id=state.job_id, formed=state.generation > 0 or state.complete,
-            relay_at=self._relay_at, leader_joined=state.members.__contains__, now=self._now())
+
+        def answer() -> tuple[str, pb.JoinResponse]:
+            return self._tree.first_contact(
+                request, job_id=state.job_id, formed=state.generation > 0 or state.complete,
+                relay_at=self._relay_at, leader_joined=state.members.__contains__, now=self._now())
+
+        kind, response = answer()
+        if kind == "retry":
+            hold = self._tree.hold_s
+            left = hold if deadline is None else min(hold, deadline - self._loop.time() - 0.5)
+            if left > 0:
+                self.metrics.first_contacts["held"] += 1
+                await self._tree.hold(response.leader, left)
+                kind, response = answer()
         self.metrics.first_contacts[kind] += 1
-        return answer
+        return response
 
     def _relay_of(self, request: pb.JoinRequest) -> str:
         """Where the relay of a joining rank's group is ('' when it has none: dial the coordinator)."""

@@ -5,7 +5,10 @@ bare metal, a launcher of the user's own) first asks the coordinator where to jo
 (``JoinRequest.first_contact``). The answer comes at once, and nothing is registered or held:
 
 - "you lead" (``host_relay``): the rank hosts its group's relay, then joins the coordinator with
-  the relay's address, as a leader with a template does;
+  the relay's address, as a leader with a template does. A rank that expects to lead (its own
+  fan-in makes it a group's first rank) starts its relay before it asks and names it in the first
+  contact (``relay_address``): when the coordinator agrees, the address is its group's at once, so
+  its members are rarely told to come back;
 - "your relay is at HOST:PORT" (``relay_address``): its leader's relay is registered; the rank
   joins through it, and the relay's one aggregate waits at the coordinator for the whole group;
 - "come back in t" (``retry_after_s``): the relay does not listen yet; the rank asks again after
@@ -21,6 +24,8 @@ ranks use. Once a first contact is answered the groups are fixed. A group's firs
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable
 
 import grpc
@@ -39,6 +44,18 @@ ASKS_PER_S = 4000.0
 #: the coordinator directly (slower at scale, never wrong). Why the coordinator decides, not each
 #: member's own clock: members that gave up together at scale all dialled the coordinator at once.
 LEAD_GRACE_S = 60.0
+#: The longest a first contact whose leader has not named its relay yet is held at the coordinator
+#: before "come back": answered the moment the leader asks (or joins). Why: asked again every
+#: 0.1-2 s, each member of a late leader's group cost a call at both ends per ask; held, a member
+#: usually asks once. A held ask is a waiting call on the connection the member keeps between asks.
+HOLD_S = 2.0
+
+
+def address_problem(address: str) -> str | None:
+    """Why ``address`` is not a relay's HOST:PORT, or None."""
+    if len(address) > 300 or ":" not in address or any(c.isspace() for c in address):
+        return f"relay address {address[:80]!r} is not HOST:PORT."
+    return None
 
 
 class Tree:
@@ -58,6 +75,12 @@ class Tree:
         self._sent: dict[int, int] = {}
         #: Ranks told where to join (lead, relay or directly), each counted once.
         self._settled: set[int] = set()
+        #: leader -> (incarnation, address) of the relay it named in its first contact.
+        self._announced: dict[int, tuple[int, str]] = {}
+        #: The longest a first contact is held for its leader (HOLD_S).
+        self.hold_s = HOLD_S
+        #: leader -> set when it asks or joins: the held first contacts of its group look again.
+        self._news: dict[int, asyncio.Event] = {}
 
     def leader(self, rank: int) -> int:
         return rank - rank % self.fanin
@@ -97,9 +120,16 @@ class Tree:
             return self._settle(rank, "direct", answer)
         if rank == leader:
             self._told_lead[leader] = now
+            self.leader_news(leader)
             answer.host_relay = True
+            if request.relay_address:
+                problem = address_problem(request.relay_address)
+                if problem is not None:
+                    raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"first contact of rank {rank}: {problem}")
+                self._announced[leader] = (request.incarnation, request.relay_address)
             return self._settle(rank, "lead", answer)
-        address = relay_at(leader)
+        # Once the leader has joined, only the relay its join registered stands.
+        address = relay_at(leader) or ("" if leader_joined(leader) else self.announced(leader))
         if address:
             self._sent[rank] = leader
             answer.relay_address = address
@@ -109,6 +139,28 @@ class Tree:
             return self._settle(rank, "direct", answer)  # its leader hosts no relay
         answer.retry_after_s = self.retry_after_s()
         return "retry", answer
+
+    def leader_news(self, leader: int) -> None:
+        """``leader`` asked or joined: the first contacts of its group held meanwhile look again."""
+        event = self._news.pop(leader, None)
+        if event is not None:
+            event.set()
+
+    async def hold(self, leader: int, timeout_s: float) -> None:
+        """Waits, at most ``timeout_s``, for news of ``leader`` (see :meth:`leader_news`)."""
+        if timeout_s <= 0:
+            return
+        event = self._news.setdefault(leader, asyncio.Event())
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout_s)
+
+    def announced(self, leader: int) -> str:
+        """The relay address ``leader`` named in its first contact ('' if none). Why it stands
+        before the leader's own join: its members join through the relay, whose one aggregate
+        waits at the coordinator; a leader that dies first leaves them a relay that does not
+        answer, and they join the coordinator directly after their relay grace."""
+        entry = self._announced.get(leader)
+        return entry[1] if entry is not None else ""
 
     def _settle(self, rank: int, kind: str, answer: pb.JoinResponse) -> tuple[str, pb.JoinResponse]:
         self._settled.add(rank)
