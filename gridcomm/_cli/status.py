@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import IO
@@ -149,12 +151,25 @@ def show(host: str, port: int, timeout_s: float, out: IO[str]) -> int:
 
 def watch(host: str, port: int, interval_s: float, count: int | None, timeout_s: float, out: IO[str]) -> int:
     """Redraws the live view every ``interval_s`` (``count`` frames, or until Ctrl-C: exit 130).
-    An unreachable coordinator is shown, not fatal: the view goes on trying."""
+    An unreachable coordinator is shown, not fatal: the view goes on trying.
+
+    Why Ctrl-C sets a flag rather than raising: a KeyboardInterrupt raised inside a gRPC call (in
+    the main thread, between gRPC's own locks) can leave the channel's close waiting forever; the
+    call in flight is bounded (at most ``max(1, interval_s)``), so the view ends right after it. A
+    second Ctrl-C interrupts at once."""
     tty = out.isatty()
     target = f"{host}:{port}"
     frames = 0
+    stop = threading.Event()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        def interrupted(_signum: int, _frame: object) -> None:
+            stop.set()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+        previous = signal.signal(signal.SIGINT, interrupted)
     try:
-        while count is None or frames < count:
+        while (count is None or frames < count) and not stop.is_set():
             began = time.monotonic()
             rows = shutil.get_terminal_size((100, MAX_FRAME_LINES + 2)).lines if tty else MAX_FRAME_LINES + 2
             max_lines = max(5, min(MAX_FRAME_LINES, rows - 2))
@@ -163,14 +178,21 @@ def watch(host: str, port: int, interval_s: float, count: int | None, timeout_s:
                 lines = render_live(reply, parse_refusals(trailing), max_lines)
             except GridcommError as exc:
                 lines = [f"{target}: no answer: {exc}", "(still trying)"]
+            if stop.is_set():
+                break
             stamp = f"gridcomm status {target}  {time.strftime('%H:%M:%S')}  every {interval_s:g} s; Ctrl-C ends"
             out.write((_CLEAR if tty else "") + "\n".join([stamp, *lines]) + "\n" + ("" if tty else "\n"))
             out.flush()
             frames += 1
             if count is not None and frames >= count:
                 break
-            time.sleep(max(0.0, interval_s - (time.monotonic() - began)))
+            stop.wait(max(0.0, interval_s - (time.monotonic() - began)))
     except KeyboardInterrupt:
+        stop.set()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    if stop.is_set():
         out.write("\n")
         out.flush()
         return 130
