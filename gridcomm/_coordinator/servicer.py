@@ -320,7 +320,6 @@ class Servicer(StoreOps):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"join of rank {request.rank}: relay address "
                         f"{address[:80]!r} is not HOST:PORT.")
         completed = await self._enter(request, base, mode, deadline)
-        self._lost.heard(request.rank)  # the stream that carried its join carries the process
         if address:
             self._relays[request.rank] = (request.incarnation, address)
         self._tree.leader_news(request.rank)
@@ -330,6 +329,7 @@ class Servicer(StoreOps):
             self._formed()
         answer = state.join_answer(request.rank, request.incarnation, base)
         if answer == "joined":
+            self._lost.heard(request.rank)  # joined: the stream that carried its join carries the process
             return self._joined(request)
         if answer == "recovery":
             return await self._await_recovery(request, base, deadline)
@@ -341,6 +341,7 @@ class Servicer(StoreOps):
             raise Abort(grpc.StatusCode.ABORTED, f"rank {request.rank} was replaced by a newer process while joining.")
         if not ok:
             raise Abort(grpc.StatusCode.DEADLINE_EXCEEDED, *self._join_wait_answer())
+        self._lost.heard(request.rank)
         return self._joined(request)
 
     async def _join_aggregate(self, request: pb.JoinRequest, deadline: float | None) -> pb.JoinResponse:
@@ -369,7 +370,6 @@ class Servicer(StoreOps):
         for rank, incarnation, hostname in joiners:
             try:
                 completed = state.join(request.job_id, rank, request.world_size, incarnation, hostname, now) or completed
-                self._lost.heard(rank)
             except StateError as exc:
                 # Why not its own status: a DEADLINE_EXCEEDED would reach every rank of the
                 # aggregate as theirs; FAILED_PRECONDITION makes the relay repeat each alone.
@@ -403,6 +403,7 @@ class Servicer(StoreOps):
         answered, lag = self._now(), self.lag.total_s
         for member in members:
             state.answered(member, answered, lag)
+        self._lost.heard_relayed([member.rank for member in members])  # joined, through this stream
         return self._response(request)
 
     def _formed(self) -> None:
