@@ -389,10 +389,12 @@ def raw_garbage(draw: Any) -> tuple[str, bytes]:
     if kind == "compressed":
         flag = draw(st.one_of(st.just(1), st.integers(2, 255)))
         extra = draw(st.sampled_from([(), ((b"grpc-encoding", b"gzip"),), ((b"grpc-encoding", b"bogus"),)]))
-        # Only "compressed" with no encoding declared is malformed for sure; gzip of nothing may be
-        # nothing, and what a transport makes of other encodings is its own business.
-        return (kind if not extra and flag == 1 else "compressed-declared"), grpc_request(method, body, flag=flag,
-                                                                                           extra=extra)
+        # Only "compressed" with no encoding declared and a non-empty body is malformed for sure:
+        # gRPC's core takes an empty message as empty whatever its flag says (an empty Status
+        # request then answers OK), gzip of nothing may be nothing, and what a transport makes of
+        # other encodings is its own business.
+        sure = not extra and flag == 1 and len(body) > 0
+        return (kind if sure else "compressed-declared"), grpc_request(method, body, flag=flag, extra=extra)
     if kind == "split-message":
         message = grpc_message(body)
         cut = draw(st.integers(0, len(message)))
