@@ -154,7 +154,7 @@ def test_an_nccl_stall_leaves_records_with_nccl_entries_and_trace_names_the_lagg
     assert "rank 1 has not entered all_reduce #7" in reason, reason
 
     merged = subprocess.run([sys.executable, "-m", "gridcomm", "trace", str(trace_dir)], capture_output=True,
-                            text=True, timeout=60, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT)
+                            text=True, timeout=60, env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}, cwd=ROOT)
     assert merged.returncode == 0, merged.stdout + merged.stderr
     text = merged.stdout
     assert (f"BEHIND rank 1 (host {socket.gethostname()}, PID {stuck_pid}) has not entered "
