@@ -28,9 +28,7 @@ from gridcomm import _config
 from gridcomm._client import directed as _directed
 from gridcomm._client import progress as _progress
 from gridcomm._client import session as _session
-from gridcomm._client.channel import make_aio_channel, make_channel
 from gridcomm._client.inflight import Abandoned, InFlight
-from gridcomm._client.relay_tls import RelayTlsError, serving_identity_problem
 from gridcomm._client.tracker import Tracker
 from gridcomm._client.watcher import Watcher
 from gridcomm._config.settings import ClientSettings
@@ -43,7 +41,9 @@ from gridcomm._errors import (
 )
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from gridcomm._relay.tls import RelayTlsError, serving_identity_problem
 from gridcomm._runtime import loop as _eventloop
+from gridcomm._runtime.channel import make_aio_channel, make_channel
 from gridcomm._wire import CHUNK_BYTES, shown_generation, translate
 
 log = logging.getLogger(__name__)
@@ -346,7 +346,7 @@ class CoordinatorClient:
         """Hosts the relay of the group of ``fanin`` ranks that this rank (``leader``) leads."""
         if leader + 1 >= self.world_size or self.relay is not None:
             return  # a group of one: nobody to relay for
-        from gridcomm._client.relay import Relay
+        from gridcomm._relay.server import Relay
         from gridcomm._runtime.address import local_address
 
         port, name = 0, None
