@@ -36,7 +36,7 @@ TOKEN = "relay-flood"
 
 RELAY = """
 import sys
-from gridcomm._client.relay import Relay
+from gridcomm._relay.server import Relay
 relay = Relay(sys.argv[1], token=sys.argv[2], heartbeat_timeout_s=30.0).start()
 print(relay.target, flush=True)
 sys.stdin.read()

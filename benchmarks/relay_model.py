@@ -95,7 +95,7 @@ class FakeRelay:
 def channel_options(name: str) -> list[tuple[str, Any]]:
     """``library``: the options a relay's channel to the coordinator has (gridcomm's); ``grpc``:
     gRPC's defaults (BDP probing on), what this model measured before c3d3f7f."""
-    from gridcomm._client.channel import channel_options as library
+    from gridcomm._runtime.channel import channel_options as library
 
     own = [("grpc.use_local_subchannel_pool", 1)]
     return library() if name == "library" else own

@@ -211,7 +211,7 @@ class GridcommRelayPeer(GridcommPeer):
     relay: Any = None
 
     def start_process(self, port: int, world: int, timeout_s: float) -> None:
-        from gridcomm._client.relay import Relay
+        from gridcomm._relay.server import Relay
         self.relay = Relay(f"127.0.0.1:{port}").start()
 
     def connect(self, port: int, rank: int, world: int, timeout_s: float) -> Any:

@@ -16,18 +16,20 @@ from collections.abc import Iterator
 #: The layer of a module: the name right under ``gridcomm`` (``_client``, ``_errors``, ...).
 #: The wire vocabulary, errors and configuration are leaves every layer may use.
 LEAVES = {"_errors", "_wire", "_proto", "_config"}
-LAYERS = {"_runtime", "_client", "_coordinator", "_backends", "_communicator", "_cli"}
+LAYERS = {"_runtime", "_relay", "_client", "_coordinator", "_backends", "_communicator", "_cli"}
 
 #: layer -> (forbidden layers, why)
 FORBIDDEN: dict[str, tuple[set[str], str]] = {
     **{leaf: (LAYERS, "the wire vocabulary, errors and configuration are leaves") for leaf in LEAVES},
-    "_runtime": ({"_coordinator", "_client", "_backends", "_communicator", "_cli"},
+    "_runtime": ({"_relay", "_coordinator", "_client", "_backends", "_communicator", "_cli"},
                  "the process runtime (background loop, per-rank health) serves every layer"),
+    "_relay": ({"_client", "_coordinator", "_backends", "_communicator", "_cli"},
+               "a relay is a server that knows the wire and the runtime; a client hosts one, never the reverse"),
     "_client": ({"_coordinator", "_backends", "_communicator", "_cli"},
                 "a client never loads the coordinator (a rank of an external coordinator runs none)"),
-    "_coordinator": ({"_client", "_backends", "_communicator", "_cli"},
+    "_coordinator": ({"_relay", "_client", "_backends", "_communicator", "_cli"},
                      "the coordinator knows only the wire, never a client or a backend"),
-    "_backends": ({"_coordinator", "_client", "_proto", "_communicator", "_cli"},
+    "_backends": ({"_relay", "_coordinator", "_client", "_proto", "_communicator", "_cli"},
                   "backends move data; they see the control plane only as base.ControlPlane"),
     "_communicator": ({"_cli"}, "nothing imports the command line"),
     "__init__": ({"_cli"}, "nothing imports the command line"),

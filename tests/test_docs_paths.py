@@ -2,7 +2,7 @@
 
 The documents are README.md, BENCHMARKS.md, docs/*.md and deploy/README.md, and the comments of
 pyproject.toml and the Makefile. A path is a word that
-starts with one of the repository's top-level folders (``gridcomm/_client/relay.py``,
+starts with one of the repository's top-level folders (``gridcomm/_relay/server.py``,
 ``benchmarks/rendezvous.py``, ``tests/test_recovery.py::name``, ``deploy/k8s/recoverable/``) or a
 relative Markdown link; deploy/README.md also names files relative to its own folder
 (``k8s/job/job.yaml``). Ratios written like paths (``gridcomm/JAX``) are not paths: a candidate
@@ -101,7 +101,7 @@ def test_no_document_points_outside_the_repository(doc: str):
 
 
 def test_the_check_catches_a_planted_bad_path_and_a_pointer_outside():
-    text = ("See `gridcomm/_client/relay.py`, `gridcomm/_client/no_such.py`, `tests/test_relay.py::test_x`,\n"
+    text = ("See `gridcomm/_relay/server.py`, `gridcomm/_client/no_such.py`, `tests/test_relay.py::test_x`,\n"
             "benchmarks/gone.py, [design](docs/design.md), [gone](docs/gone.md), gridcomm/JAX 2.1x,\n"
             "and `k8s/job/job.yaml`; `_coordinator/state.py` and `_client/watcher.py`.\n")
     assert missing("README.md", text) == ["_coordinator/state.py", "benchmarks/gone.py", "docs/gone.md",

@@ -1,4 +1,4 @@
-"""The relay (gridcomm/_client/relay.py): ranks that dial a relay instead of the coordinator.
+"""The relay (gridcomm/_relay/): ranks that dial a relay instead of the coordinator.
 
 Real OS processes per rank, a real coordinator, a real relay (in this process, or in a process of
 its own where the test kills it). The ranks are bare clients configured by the environment only
@@ -21,8 +21,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from gridcomm._client.relay import Relay
 from gridcomm._proto import coordinator_pb2 as pb
+from gridcomm._relay.server import Relay
 from tests.support.procs import ROOT, RankProcesses, assert_all_ok, wait_for
 
 TOKEN = "relay-test-token"
@@ -107,8 +107,8 @@ def test_a_rank_that_does_not_come_holds_its_siblings_arrivals_only_briefly(coor
     """Rank 3 reaches the first barrier 8 s after the others: the coordinator learns of ranks
     0-2's arrival after the relay's hold (HOLD_S, 1 s), long before rank 3 comes, so
     status names rank 3 alone as missing; then the barrier passes for all."""
-    from gridcomm._client.relay import HOLD_S
     from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+    from gridcomm._relay.server import HOLD_S
 
     assert HOLD_S < 8.0 / 2
     world = 4
@@ -242,7 +242,7 @@ def test_a_relay_sends_progress_that_did_not_change_as_a_flag_and_the_coordinato
 
 RELAY_PROCESS = """
 import sys, time, gridcomm
-from gridcomm._client.relay import Relay
+from gridcomm._relay.server import Relay
 relay = Relay(sys.argv[1], token=sys.argv[2]).start()
 print(relay.target, flush=True)
 time.sleep(600)

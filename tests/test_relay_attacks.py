@@ -1,4 +1,4 @@
-"""A relay as strict as the coordinator (gridcomm/_client/relay_children.py): a token holder's
+"""A relay as strict as the coordinator (gridcomm/_relay/children.py): a token holder's
 stream to a relay can hurt nobody but itself.
 
 Ranks 0 and 1 are real OS processes whose Session streams go through a real relay (in this
@@ -19,9 +19,9 @@ import grpc
 import pytest
 
 import gridcomm
-from gridcomm._client.relay import Relay
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from gridcomm._relay.server import Relay
 from tests.support.procs import RankProcesses, assert_all_ok, wait_for
 
 TOKEN = "relay-attack-token"

@@ -42,7 +42,7 @@ RSS_BUDGET_MB = 400.0
 
 RELAY = r"""
 import os, sys
-from gridcomm._client.relay import Relay
+from gridcomm._relay.server import Relay
 relay = Relay(os.environ["UPSTREAM"], token=os.environ["GRIDCOMM_TOKEN"], world_size=3).start()
 print("RELAY", relay.target, flush=True)
 for line in sys.stdin:

@@ -1,4 +1,4 @@
-"""TLS on every hop of the relay tree (gridcomm/_client/relay_tls.py), whatever TLS files the ranks
+"""TLS on every hop of the relay tree (gridcomm/_relay/tls.py), whatever TLS files the ranks
 have: a relay serves what its members dial, and a relay its members could not dial is a ConfigError
 at start, never a timeout.
 
@@ -16,7 +16,7 @@ import pytest
 
 import gridcomm
 from gridcomm import _config
-from gridcomm._client.relay import Relay
+from gridcomm._relay.server import Relay
 from tests.support.procs import RankProcesses, assert_all_ok
 from tests.support.tls import tls_env
 

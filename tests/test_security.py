@@ -154,7 +154,7 @@ def test_tls_settings_errors(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_tls_on_both_hops_of_a_relay(coordinator_factory, pki):
-    from gridcomm._client.relay import Relay
+    from gridcomm._relay.server import Relay
 
     world = 3
     server = coordinator_factory(world, tls=server_tls(pki), token="t0ken", bind="127.0.0.1")

@@ -685,7 +685,7 @@ def test_a_cut_stream_reports_only_the_operations_still_awaited(coordinator_fact
     """An attempt whose caller gave up (a long poll's slice that timed out) is still in flight on
     the stream, but nobody repeats it: the warning counts only what is repeated."""
     from gridcomm._client import session as _session
-    from gridcomm._client.channel import make_aio_channel
+    from gridcomm._runtime.channel import make_aio_channel
 
     server = coordinator_factory(2)
     proxy = TcpProxy(server.port)

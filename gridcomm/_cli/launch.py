@@ -195,7 +195,7 @@ def launch(nproc: int, command: Sequence[str], backend: str | None = None,
         if _config.relay_mode(env_in) == "on":
             # The node agent's relay: the ranks started here reach the coordinator through it, on
             # one connection, the same operation of several ranks as one.
-            from gridcomm._client.relay import Relay
+            from gridcomm._relay.server import Relay
 
             relay = Relay(_config.format_target("127.0.0.1", port), token=_config.token(None, env_in),
                           tls=_config.tls(env_in),

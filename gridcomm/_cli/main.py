@@ -16,9 +16,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gridcomm import _config
-from gridcomm._client.channel import channel_options
 from gridcomm._coordinator.server import Coordinator
 from gridcomm._errors import ConfigError, GridcommError
+from gridcomm._runtime.channel import channel_options
 
 log = logging.getLogger("gridcomm")
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import IO
 
-from gridcomm._client.client import fetch_status_call
+from gridcomm._client.calls import fetch_status_call
 from gridcomm._coordinator.metrics import RefusedJoin, parse_refusals
 from gridcomm._errors import GridcommError
 from gridcomm._proto import coordinator_pb2 as pb

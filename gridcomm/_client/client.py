@@ -7,44 +7,42 @@ waits are made of bounded slices so progress is logged ("waiting for 3 of 64 ran
 and no single call outlives its deadline. Transient UNAVAILABLE is retried by the channel's
 retry policy (jittered exponential backoff); the first contact waits for the channel to be
 ready, so a coordinator DNS name that does not resolve yet is retried until the deadline.
+
+Its parts: how calls travel (``calls``), its streams and channels (``streams``), its joins
+(``joining``), its place in the relay tree (``tree``), values larger than a message (``store``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import random
 import secrets
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
 from gridcomm import _config
-from gridcomm._client import directed as _directed
-from gridcomm._client import progress as _progress
+from gridcomm._client import calls as _calls
+from gridcomm._client import joining as _joining
 from gridcomm._client import session as _session
-from gridcomm._client.channel import make_aio_channel, make_channel
+from gridcomm._client import store as _store
+from gridcomm._client import streams as _streams
+from gridcomm._client import tree as _relay_tree
+from gridcomm._client.calls import SHORT_CALL_S as SHORT_CALL_S
+from gridcomm._client.calls import fetch_status as fetch_status
+from gridcomm._client.calls import fetch_status_call as fetch_status_call
 from gridcomm._client.inflight import Abandoned, InFlight
-from gridcomm._client.relay_tls import RelayTlsError, serving_identity_problem
 from gridcomm._client.tracker import Tracker
 from gridcomm._client.watcher import Watcher
 from gridcomm._config.settings import ClientSettings
-from gridcomm._errors import (
-    CommAborted,
-    ConfigError,
-    CoordinatorUnavailable,
-    GridcommError,
-    RendezvousTimeout,
-)
+from gridcomm._errors import CommAborted, ConfigError, GridcommError
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
-from gridcomm._runtime import loop as _eventloop
-from gridcomm._wire import CHUNK_BYTES, shown_generation, translate
+from gridcomm._runtime.channel import make_aio_channel, make_channel
+from gridcomm._wire import translate
 
 log = logging.getLogger(__name__)
 
@@ -56,21 +54,6 @@ PROGRESS_INTERVAL_S = 10.0
 _CALL_SLACK_S = 1.0
 #: A value up to this size travels on the Session stream; a larger one as unary calls (see set).
 _SESSION_VALUE_BYTES = 64 * 1024
-#: How often a value read in pieces may be found set again before get gives up.
-_REREADS = 8
-#: Bound on a short (non-waiting) call.
-SHORT_CALL_S = 10.0
-#: How long a join waits for its group's relay (GRIDCOMM_RELAY_ADDRESSES) to answer before it goes
-#: to the coordinator directly: pods of one job start seconds apart (image pulls, scheduling).
-RELAY_JOIN_GRACE_S = 20.0
-
-#: The unary RPC that does what each Session operation does.
-_UNARY = {"join": "Join", "set": "Set", "get": "Get", "barrier": "Barrier", "leave": "Leave",
-          "add": "Add", "compare_set": "CompareSet", "delete_key": "DeleteKey", "keys": "Keys"}
-
-#: What a rank that hosts its group's relay sends through it (see _own_relay_session): the
-#: operations a relay aggregates.
-_THROUGH_OWN_RELAY = frozenset(("barrier", "get"))
 
 
 def check_text(what: str, value: Any) -> None:
@@ -154,7 +137,7 @@ class CoordinatorClient:
         self._relay_aio: grpc.aio.Channel | None = None
         #: The relay this rank hosts for its group of the tree (see _tree), once joined.
         self.relay: Any = None
-        #: A stream to that relay for this rank's own barriers and gets (see _own_relay_session).
+        #: A stream to that relay for this rank's own barriers and gets (see streams.own_relay_session).
         self._own_relay: _session.Session | None = None
         self._own_relay_aio: grpc.aio.Channel | None = None
         self._relay_rank: int | None = None
@@ -233,229 +216,26 @@ class CoordinatorClient:
     def _op(self, kind: str, request: Any, what: str, timeout_s: float, *, wait_for_ready: bool = False) -> Any:
         """One coordinator operation: on the Session stream where there is one, else (or when
         the stream breaks; every operation is idempotent) as its unary RPC."""
-        if self._closed:
-            raise CommAborted(f"{what}: this client was closed.")
-        session = self._own_relay_session() if kind in _THROUGH_OWN_RELAY else None
-        if session is None:
-            session = self.session_stream()
-        if session is not None:
-            started = time.monotonic()
-            try:
-                return session.call(kind, request, timeout_s)
-            except Abandoned as exc:
-                raise exc.raised() from None
-            except _session.OpError as exc:
-                raise translate(exc, what, self.target) from None
-            except _session.StreamBroken as exc:
-                log.debug("rank %d: %s; repeating %s as a unary call", self.rank, exc, kind)
-            # Why: the repeat gets what is left of this call's time, not all of it again.
-            timeout_s -= time.monotonic() - started
-            if timeout_s <= 0:
-                raise translate(_session.OpError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),
-                                what, self.target)
-        return self._call(getattr(self._stub, _UNARY[kind]), request, what, timeout_s, wait_for_ready=wait_for_ready)
+        return _calls.op(self, kind, request, what, timeout_s, wait_for_ready=wait_for_ready)
 
     def _long_poll(self, what: str, timeout_s: float | None, attempt: Callable[[float, float], _T],
                    progress: Callable[[list[int]], str], *, first_contact: bool = False,
                    ends_when_lost: bool = True) -> _T:
         """Repeats ``attempt(wait_s, call_timeout_s)`` in bounded slices until it succeeds or the
-        overall deadline passes, logging who is still missing after each slice. ``ends_when_lost``:
-        once the watcher declared the coordinator lost, raises its error instead of another slice
-        (a join or a recovery is tried regardless)."""
-        total = self.timeout_s if timeout_s is None else _config.parse_duration("timeout_s", timeout_s)
-        started = time.monotonic()
-        deadline = started + total
-        answered = False
-        speaker = _progress.Wait(what, self.target, total, started, progress)  # a long wait says who it waits for
-        while True:
-            lost = self._lost
-            if lost is not None and ends_when_lost and not first_contact:
-                raise Abandoned(lost).raised()
-            wait_s = max(0.0, min(deadline - time.monotonic(), PROGRESS_INTERVAL_S))
-            try:
-                return attempt(wait_s, wait_s + _CALL_SLACK_S)
-            except RendezvousTimeout as exc:
-                timeout = exc
-            answered = answered or timeout.from_server
-            if deadline - time.monotonic() > 0.05:
-                speaker.slice_ended(timeout, answered)
-                continue
-            if first_contact and not answered:
-                raise CoordinatorUnavailable(
-                    f"{what}: no answer from the coordinator at {self.target} within {total:.1f} s; is rank 0 "
-                    "(or `gridcomm serve`) running there, and does the name resolve?"
-                ) from timeout
-            raise _progress.timed_out(what, total, timeout) from timeout
+        overall deadline passes (see gridcomm._client.calls.long_poll)."""
+        return _calls.long_poll(self, what, timeout_s, attempt, progress, first_contact=first_contact,
+                                ends_when_lost=ends_when_lost, interval_s=PROGRESS_INTERVAL_S,
+                                slack_s=_CALL_SLACK_S)
 
     # ------------------------------------------------------------------ API
     def _tree(self, until: float | None = None) -> None:
-        """The relay tree (GRIDCOMM_RELAY, GRIDCOMM_RELAY_FANIN): rank ``k x fanin`` hosts a relay
-        for its group and joins directly; the others join through it. Where the relays' addresses
-        are known (GRIDCOMM_RELAY_ADDRESSES) every rank decides alone; otherwise the coordinator
-        directs each rank's join (see gridcomm._client.directed), asked until ``until``."""
-        settings = self.settings
-        if self.relay_target is not None or self.session_mode == "off" or settings.relay_mode == "off":
-            return  # a node agent's relay (gridcomm launch), or none
-        if settings.relay_mode == "auto" and self.world_size < _config.RELAY_AUTO_WORLD:
-            return
-        problem = serving_identity_problem(self.tls)
-        if problem is not None:
-            # Every rank decides alike from the job's TLS files: no relay would serve its members.
-            if settings.relay_mode == "on":
-                raise ConfigError(f"rank {self.rank}: GRIDCOMM_RELAY=on, but {problem}; set them on every rank "
-                                  "or GRIDCOMM_RELAY=auto (no relays then) or off.")
-            return
-        template = settings.relay_addresses
-        if template is None and not self._joined:
-            self._directed(time.monotonic() + self.timeout_s / 2 if until is None else until)
-            return
-        fanin = settings.fanin(self.world_size)
-        leader = self.rank - self.rank % fanin
-        if leader != self.rank:
-            self._relay_rank = leader
-            if template is not None and not self._joined:
-                # Its relay's address is known before the join: the join goes there too.
-                self._relay_join = _config.format_relay_address(template, leader, leader // fanin)
-            return
-        self._host_relay(leader, fanin, template)
-
-    def _directed(self, until: float) -> None:
-        """The directed join: the coordinator says whether this rank hosts its group's relay, joins
-        through it (then this rank's connection to the coordinator is closed: it needs none), or
-        joins the coordinator directly."""
-        fanin = self.settings.fanin(self.world_size)
-        if self.rank % fanin == 0:
-            self._host_relay(self.rank, fanin, None)  # before it asks: its first contact names it
-        answer = _directed.ask(self, until, self.relay.target if self.relay is not None else "")
-        if answer is None:
-            return
-        if self.relay is not None and not answer.host_relay:
-            relay, self.relay = self.relay, None  # the coordinator's groups are not this rank's guess
-            relay.stop()
-        if answer.host_relay:
-            if self.relay is not None:  # named in the first contact: it stays, for the coordinator's group
-                self.relay.regroup(range(self.rank + 1, min(self.rank + answer.fanin, self.world_size)))
-            self._host_relay(answer.leader, answer.fanin, None)
-            return
-        if answer.leader != self.rank:
-            self._relay_rank = answer.leader  # a direct join's answer names the relay if one comes
-        if answer.relay_address:
-            self._relay_join = answer.relay_address
-
-    def _host_relay(self, leader: int, fanin: int, template: str | None) -> None:
-        """Hosts the relay of the group of ``fanin`` ranks that this rank (``leader``) leads."""
-        if leader + 1 >= self.world_size or self.relay is not None:
-            return  # a group of one: nobody to relay for
-        from gridcomm._client.relay import Relay
-        from gridcomm._runtime.address import local_address
-
-        port, name = 0, None
-        if template is not None:
-            name, port = _config.parse_target(_config.format_relay_address(template, leader, leader // fanin))
-        try:
-            self.relay = Relay(self.target, token=self.settings.token, tls=self.tls, bind=local_address(self.host),
-                               port=port, ranks=range(leader + 1, min(leader + fanin, self.world_size)),
-                               tls_name=name, world_size=self.world_size).start()
-        except RelayTlsError:
-            raise  # its members could not dial it: a clear error now, not their timeouts
-        except GridcommError as exc:
-            # Its group then dials the coordinator directly: slower at scale, never wrong.
-            log.warning("rank %d: hosts no relay for its group: %s", self.rank, exc)
+        """Where this rank stands in the relay tree: hosts its group's relay, joins through one, or
+        joins directly (see gridcomm._client.tree.decide; the coordinator is asked until ``until``)."""
+        _relay_tree.decide(self, until)
 
     def join(self, timeout_s: float | None = None) -> int:
         """Registers this rank and waits until every rank has joined; returns the generation."""
-        self._join_sent = True
-        total = self.timeout_s if timeout_s is None else _config.parse_duration("timeout_s", timeout_s)
-        # Why half the timeout: while the coordinator says "come back" (its group's relay is not up
-        # yet) the rank asks again; the coordinator itself sends it on after LEAD_GRACE_S.
-        self._tree(time.monotonic() + total / 2)
-        relay_until = time.monotonic() + min(RELAY_JOIN_GRACE_S, total / 4)
-        what = f"rank {self.rank}: join"
-
-        def attempt(wait_s: float, call_s: float) -> pb.JoinResponse:
-            request = self._join_request(wait_s)
-            if self._relay_join is not None:
-                response = self._join_through_relay(request, what, call_s, relay_until)
-                if response is not None:
-                    self.joined_through = "relay"
-                    return response
-            self.joined_through = "coordinator"
-            return self._op("join", request, what, call_s, wait_for_ready=True)
-
-        response = self._long_poll(
-            f"rank {self.rank} of {self.world_size}: join", timeout_s, attempt,
-            lambda missing: f"waiting for {len(missing)} of {self.world_size} ranks: {missing[:16]}",
-            first_contact=True,
-        )
-        self.heartbeat_timeout_s = response.heartbeat_timeout_s or self.heartbeat_timeout_s
-        self._enter(response)
-        self._joined = True
-        # Watched from here on, as a communicator's rank is: heartbeats on the background loop
-        # (no thread of its own), so its death reaches the others and theirs reaches its waits.
-        self._watcher = Watcher(self)
-        self._watcher.start()
-        return self.generation
-
-    def _join_through_relay(self, request: pb.JoinRequest, what: str, call_s: float,
-                            until: float) -> pb.JoinResponse | None:
-        """The join through this rank's group relay (GRIDCOMM_RELAY_ADDRESSES), so the coordinator
-        is not dialled by every rank. A relay that does not answer yet (its rank's pod is still
-        starting) is waited for until ``until``; then None: the join goes to the coordinator
-        directly, and the join's answer moves the stream to the relay if it came up."""
-        target = self._relay_join
-        assert target is not None
-        began = time.monotonic()
-        why = "it was not listening"
-        backoff = 0.1
-        while (left := until - time.monotonic()) > 0:
-            if self._closed:
-                raise CommAborted(f"{what}: this client was closed.")
-            self.relay_target = target
-            # Why wait for the connection rather than try and sleep: gRPC dials a relay that is not
-            # listening yet again on its own, every RELAY_RECONNECT_MAX_MS at most, and the join
-            # goes the moment it connects. Tried and slept in Python, each attempt (a stream, at
-            # once refused) cost this process's loop, which at 64 ranks a process also had to start
-            # the relay, and ranks found their relay seconds after it listened.
-            if not self._relay_connected(left):
-                continue
-            session = self._session
-            if session is None or session.closed or not session.relay:
-                session = _session.Session(target, self._metadata, self.relay_channel, relay=True,
-                                           wait_for_ready=False)
-                self._session = session
-            try:
-                return session.call("join", request, call_s)
-            except _session.OpError as exc:
-                raise translate(exc, what, target) from None
-            except _session.StreamBroken as exc:
-                why = str(exc)  # connected, but the stream ended (the relay lost the coordinator?)
-                time.sleep(min(max(0.0, until - time.monotonic()), backoff * (0.5 + random.random())))
-                backoff = min(2.0, backoff * 2)
-        log.info("rank %d: the relay at %s did not answer within %.0f s (%s); joining the coordinator at %s "
-                 "directly", self.rank, target, time.monotonic() - began, why, self.target)
-        self._relay_join = None
-        session, self._session = self._session, None
-        channel, self._relay_aio = self._relay_aio, None
-        self.relay_target = None
-        _close_later(session, [channel] if channel is not None else [])
-        return None
-
-    def _relay_connected(self, timeout_s: float) -> bool:
-        """Waits, at most ``timeout_s``, until the channel to the relay (relay_target) is connected."""
-        async def connected() -> None:
-            await asyncio.wait_for(self.relay_channel().channel_ready(), timeout_s)
-
-        future = asyncio.run_coroutine_threadsafe(connected(), _eventloop.loop())
-        try:
-            future.result(timeout_s + 5.0)  # the slack: this process's loop may run behind
-            return True
-        except (asyncio.TimeoutError, concurrent.futures.TimeoutError):
-            future.cancel()
-            return False
-        except Exception as exc:  # noqa: BLE001 - the channel was closed meanwhile (the client was)
-            log.debug("rank %d: waiting for the relay at %s: %r", self.rank, self.relay_target, exc)
-            time.sleep(0.1)
-            return False
+        return _joining.join(self, timeout_s)
 
     def recover(self, mode: str, timeout_s: float | None = None) -> int:
         """After a failure of this generation, joins the next one as a survivor: ``"rebuild"``
@@ -463,58 +243,7 @@ class CoordinatorClient:
         (survivors only). Every survivor must make the same call. Returns the new generation;
         :attr:`members` names its job ranks. A rank that fails meanwhile ends the wait with
         :class:`RankFailedError` naming it; the call can be repeated."""
-        recovery = {"rebuild": pb.RECOVERY_REBUILD, "shrink": pb.RECOVERY_SHRINK}.get(mode)
-        if recovery is None:
-            raise ConfigError(f"recovery mode {mode!r} must be 'rebuild' or 'shrink'.")
-        if not self._joined or self._closed:
-            raise CommAborted(f"rank {self.rank}: {mode} needs a joined, open client.")
-        base = self.generation
-        what = f"rank {self.rank}: {mode} of generation {shown_generation(base)}"
-
-        def attempt(wait_s: float, call_s: float) -> pb.JoinResponse:
-            return self._op("join", self._join_request(wait_s, base, recovery), what, call_s)
-
-        response = self._long_poll(what, timeout_s, attempt,
-                                   lambda missing: f"waiting for {len(missing)} rank(s): {missing[:16]}",
-                                   ends_when_lost=False)
-        self._enter(response)
-        return self.generation
-
-    def _join_request(self, wait_s: float, generation: int = 0, recovery: int = pb.RECOVERY_NONE) -> pb.JoinRequest:
-        """This process's join: of the job (a new process), or, by a survivor of ``generation``,
-        of the next one (``recovery``)."""
-        return pb.JoinRequest(job_id=self.job_id, rank=self.rank, world_size=self.world_size,
-                              incarnation=self.incarnation, hostname=self.hostname, wait_s=wait_s,
-                              generation=generation, recovery=recovery,  # type: ignore[arg-type]
-                              relay_address=self.relay.target if self.relay is not None else "",
-                              wants_relay=self._relay_rank is not None, relay_rank=self._relay_rank or 0)
-
-    def _enter(self, response: pb.JoinResponse) -> None:
-        """Takes the generation a join or a recovery answered: its number and members; barrier
-        counts and the failure latch start afresh (the coordinator's keys and barriers do too)."""
-        with self._failure_lock:
-            self._lost = None
-            self.generation = response.generation
-            self.members = tuple(response.member_ranks) or tuple(range(self.world_size))
-            ahead, self._ahead = self._ahead, None
-            # The new communicator's handler hears of it when it is set (on_failure).
-            self.failure = ahead[1] if ahead is not None and ahead[0] == self.generation else None
-        self._barrier_seq = {}
-        if self.relay is not None:
-            self.relay.heartbeat_timeout_s = response.heartbeat_timeout_s or self.relay.heartbeat_timeout_s
-        self._relay_join = None
-        session = self._session
-        on_relay = session is not None and session.relay and not session.closed
-        if response.relay_address and response.relay_address != self.relay_target and not on_relay:
-            self._move_to_relay(response.relay_address)
-
-    def _move_to_relay(self, target: str) -> None:
-        """After the join: this rank's stream goes to its group's relay from now on, and its
-        connection to the coordinator is closed (its unary calls open one again if needed)."""
-        self.relay_target = target
-        session, self._session = self._session, None
-        channel, self._aio = self._aio, None
-        _close_later(session, [channel] if channel is not None else [])
+        return _joining.recover(self, mode, timeout_s)
 
     def watched(self, error: GridcommError, generation: int) -> None:
         """From the watcher: a failure of ``generation``. The first of the current generation is
@@ -589,44 +318,7 @@ class CoordinatorClient:
         if len(value) <= _SESSION_VALUE_BYTES:
             self._op("set", pb.SetRequest(caller=self.caller, key=key, value=bytes(value)), what, SHORT_CALL_S)
             return
-        # Why unary: a Session message carries several operations, and the coordinator reads no
-        # message larger than a chunk. A value larger than a chunk travels in pieces (total_bytes
-        # says so; 0 means the one message is the whole value).
-        view = memoryview(value).cast("B")
-        total = len(view)
-        pieces = total if total > CHUNK_BYTES else 0
-        for offset in range(0, total, CHUNK_BYTES):
-            piece = bytes(view[offset : offset + CHUNK_BYTES])
-            self._call(self._stub.Set, pb.SetRequest(caller=self.caller, key=key, value=piece, total_bytes=pieces,
-                                                     offset=offset), what, SHORT_CALL_S + len(piece) / 50e6)
-
-    def _whole(self, key: str, response: pb.GetResponse) -> bytes:
-        """The value a get answered: ``response.value``, or, for a value larger than one message
-        (``total_bytes`` set), that first piece and the rest read after it. A value set again
-        meanwhile is read again from its start (a bounded number of times)."""
-        what = f"rank {self.rank}: get {key!r}"
-        for _ in range(_REREADS):
-            parts, got = [response.value], len(response.value)
-            while got < response.total_bytes:
-                request = pb.GetRequest(caller=self.caller, key=key, offset=got, version=response.version)
-                try:
-                    piece = self._stub.Get(request, timeout=SHORT_CALL_S + CHUNK_BYTES / 50e6, metadata=self._metadata)
-                except grpc.RpcError as exc:
-                    if exc.code() != grpc.StatusCode.ABORTED:
-                        raise translate(exc, what, self.target) from exc
-                    break
-                parts.append(piece.value)
-                got += len(piece.value)
-                if not piece.value:
-                    break
-            else:
-                return b"".join(parts)
-            # Set again while it was read (or a piece came back empty): start over, without waiting.
-            response = self._call(self._stub.Get, pb.GetRequest(caller=self.caller, key=key), what, SHORT_CALL_S)
-            if not response.total_bytes:
-                return response.value  # type: ignore[no-any-return]
-        raise GridcommError(f"{what}: the value changed {_REREADS} times while it was being read; it is set too often "
-                            "to be read whole.")
+        _store.set_in_pieces(self, key, value, what)
 
     def get(self, key: str, timeout_s: float | None = None) -> bytes:
         """Returns the value under ``key``, waiting until some rank sets it or the deadline passes."""
@@ -636,7 +328,8 @@ class CoordinatorClient:
         def attempt(wait_s: float, call_s: float) -> pb.GetResponse:
             return self._op("get", pb.GetRequest(caller=self._caller, key=key, wait_s=wait_s), what, call_s)
 
-        return self._whole(key, self._long_poll(what, timeout_s, attempt, lambda missing: "another rank has not set it yet"))
+        response = self._long_poll(what, timeout_s, attempt, lambda missing: "another rank has not set it yet")
+        return _store.whole(self, key, response)
 
     def barrier(self, name: str = "barrier", timeout_s: float | None = None, *,
                 participants: Sequence[int] = ()) -> None:
@@ -700,41 +393,7 @@ class CoordinatorClient:
         """The Session stream this client's operations and the watcher's heartbeats ride: to the
         relay while there is one, else to the coordinator (None with GRIDCOMM_SESSION=off, or once
         closed)."""
-        if self.session_mode == "off" or self._closed:
-            return None
-        session = self._session
-        if session is not None and session.relay and session.closed:
-            log.warning("rank %d: the relay at %s is gone; going to the coordinator at %s directly", self.rank,
-                        self.relay_target, self.target)
-            self.relay_target, session = None, None
-        if session is None:
-            if self.relay_target is not None:
-                session = _session.Session(self.relay_target, self._metadata, self.relay_channel, relay=True)
-            else:
-                session = _session.Session(self.target, self._metadata, self.aio_channel)
-            self._session = session
-        return session
-
-    def _own_relay_session(self) -> _session.Session | None:
-        """A rank that hosts its group's relay sends its barriers and gets through that relay, as
-        its group does, so each reaches the coordinator inside the group's one aggregate: the
-        coordinator then handles one message per group and barrier, not two. Its heartbeats stay
-        on its own stream to the coordinator, so its process's death is seen there as soon as
-        that stream drops. None (its own stream, then) before the join, without a relay, or
-        once that stream broke (the relay lost the coordinator)."""
-        if self.relay is None or not self._joined or self.session_mode == "off":
-            return None
-        session = self._own_relay
-        if session is None:
-            target = self.relay.target
-            session = self._own_relay = _session.Session(
-                target, self._metadata, lambda: self._own_relay_channel(target), relay=True)
-        return None if session.closed else session
-
-    def _own_relay_channel(self, target: str) -> grpc.aio.Channel:
-        if self._own_relay_aio is None:
-            self._own_relay_aio = make_aio_channel(target, self.tls, relay=True)
-        return self._own_relay_aio
+        return _streams.session_stream(self)
 
     def relay_unreachable(self, session: _session.Session) -> None:
         """From the watcher (on the loop): the relay did not answer a heartbeat in time; stop
@@ -759,70 +418,10 @@ class CoordinatorClient:
         """Closes the channel without leaving (idempotent)."""
         self._closed = True
         self.stop_watching()
-        own, self._own_relay = self._own_relay, None
-        if own is not None:
-            own_channel, self._own_relay_aio = self._own_relay_aio, None
-            _close_later(own, [own_channel] if own_channel is not None else [])
-        relay, self.relay = self.relay, None
-        if relay is not None:
-            relay.stop_when_idle()
-        channel, self._channel = self._channel, None
-        if channel is not None:
-            channel.close()
-        session, self._session = self._session, None
-        channels = [c for c in (self._aio, self._relay_aio) if c is not None]
-        self._aio = self._relay_aio = None
-        _close_later(session, channels)
+        _streams.release(self)
 
     def __enter__(self) -> CoordinatorClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _close_later(session: _session.Session | None, channels: list[grpc.aio.Channel]) -> None:
-    """Closes a Session stream, then channels, on the background loop (without waiting)."""
-    running = _eventloop.current()
-    if running is None or (session is None and not channels):
-        return  # nothing to close, or the loop is gone (interpreter exit): so are its channels
-
-    async def close_all() -> None:
-        if session is not None:
-            await session.close()
-        for channel in channels:
-            await channel.close()
-
-    try:
-        asyncio.run_coroutine_threadsafe(close_all(), running)
-    except RuntimeError:
-        pass  # the loop closed meanwhile (interpreter exit)
-
-
-def fetch_status(host: str, port: int, token: str | None = None, timeout_s: float = SHORT_CALL_S) -> pb.StatusResponse:
-    """One Status call (for ``gridcomm status``)."""
-    return fetch_status_call(host, port, token, timeout_s)[0]
-
-
-def fetch_status_call(host: str, port: int, token: str | None = None,
-                      timeout_s: float = SHORT_CALL_S) -> tuple[pb.StatusResponse, tuple[tuple[str, Any], ...]]:
-    """One Status call: the answer and its trailing metadata (the refused joins ride there)."""
-    target = _config.format_target(host, port)
-    secret = _config.token(token)
-    metadata = (("authorization", f"Bearer {secret}"),) if secret else ()
-    started = time.monotonic()
-    with make_channel(target, _config.tls()) as channel:
-        # Why connect first, within the whole deadline: as a probe does (a slow handshake, a
-        # port-forward, is not an unreachable coordinator).
-        try:
-            grpc.channel_ready_future(channel).result(timeout=timeout_s)
-        except grpc.FutureTimeoutError:
-            raise CoordinatorUnavailable(f"status: the coordinator at {target} is unavailable: cannot connect within "
-                                         f"{timeout_s:g} s") from None
-        try:
-            reply, call = pb_grpc.CoordinatorStub(channel).Status.with_call(
-                pb.StatusRequest(), timeout=max(0.05, timeout_s - (time.monotonic() - started)), metadata=metadata,
-                wait_for_ready=True)
-        except grpc.RpcError as exc:
-            raise translate(exc, "status", target) from exc
-        return reply, tuple(call.trailing_metadata() or ())

@@ -16,11 +16,11 @@ from typing import Any
 
 import grpc
 
-from gridcomm._client.channel import make_aio_channel
 from gridcomm._errors import CoordinatorUnavailable, RendezvousTimeout
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._runtime import loop as _eventloop
+from gridcomm._runtime.channel import make_aio_channel
 from gridcomm._wire import translate
 
 log = logging.getLogger("gridcomm")

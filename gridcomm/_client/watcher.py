@@ -32,8 +32,6 @@ from typing import Protocol
 import grpc
 
 from gridcomm import _config
-from gridcomm._client.channel import make_aio_channel
-from gridcomm._client.relay_silence import reported
 from gridcomm._client.session import Session, StreamBroken
 from gridcomm._errors import (
     CollectiveMismatch,
@@ -45,6 +43,8 @@ from gridcomm._errors import (
 )
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from gridcomm._relay.silence import reported
+from gridcomm._runtime.channel import make_aio_channel
 from gridcomm._runtime.loop import current as _current_loop
 from gridcomm._runtime.loop import lag_s as _lag_s
 from gridcomm._runtime.loop import loop as _runtime
@@ -294,7 +294,7 @@ class Watcher:
                             return
                         # Why the relay's count too: it answers this rank's heartbeats itself, so
                         # only it can tell how long the coordinator has been silent (see
-                        # gridcomm._client.relay_silence).
+                        # gridcomm._relay.silence).
                         silent = max(self._silent(last_ok, lag_ok), reported(exc))
                         if silent > timeout_s:
                             self._give_up(self._lost(silent, f"{code.name}: {exc.details()}"), generation)

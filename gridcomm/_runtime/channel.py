@@ -35,7 +35,7 @@ _SERVICE_CONFIG = json.dumps(
 
 #: The longest gap between a rank's attempts to reach its group's relay (gRPC's reconnect backoff
 #: on a channel to a relay; 1 s to the coordinator). Why short: a member whose relay's pod starts
-#: after it waits for the relay (see CoordinatorClient._join_through_relay), and finds it this long
+#: after it waits for the relay (see gridcomm._client.tree.join_through_relay), and finds it this long
 #: after it listens at most; at 1 s the ranks of a 2,048-rank job found theirs 1.0-1.9 s after
 #: the last one listened. An attempt at a port nobody listens on costs a refused connect.
 RELAY_RECONNECT_MAX_MS = 250

@@ -46,6 +46,9 @@ class Child:
         self.results: list[pb.SessionResult] = []
         self.unread_bytes = 0
         self.ready = asyncio.Event()
+        #: Set whenever what it has waiting changes (an answer, its answers taken by the writer,
+        #: closed): its stream's end waits on it until everything it sent is answered.
+        self.changed = asyncio.Event()
         self.closed = False
         self.inflight = 0
         self.max_ops = max_ops(world_size)
@@ -117,11 +120,19 @@ class Child:
         self.results.append(result)
         self.unread_bytes += result.ByteSize()
         self.ready.set()
+        self.changed.set()
+
+    def end(self) -> None:
+        """The relay ends this stream (it stopped, or lost the coordinator): its writer stops."""
+        self.closed = True
+        self.ready.set()
+        self.changed.set()
 
     def close(self) -> None:
         self.closed = True
         self.results, self.unread_bytes = [], 0
         self.ready.set()
+        self.changed.set()
 
     async def write(self) -> None:
         while not self.closed:
@@ -130,6 +141,7 @@ class Child:
                 self.ready.clear()
                 continue
             batch, self.results, self.unread_bytes = self.results, [], 0
+            self.changed.set()
             await self.context.write(pb.SessionReply(results=batch))
 
 

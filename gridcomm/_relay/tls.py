@@ -1,6 +1,6 @@
 """TLS on the hop from a rank to its relay: a relay serves exactly what its members dial.
 
-A member dials its relay as it dials the coordinator (gridcomm._client.channel: the job's CA, its
+A member dials its relay as it dials the coordinator (gridcomm._runtime.channel: the job's CA, its
 client certificate where it has one, GRIDCOMM_TLS_SERVER_NAME). So wherever the job uses TLS, the
 relay serves with the job's serving certificate (GRIDCOMM_TLS_CERT/_KEY in the relay's process),
 requires client certificates where the coordinator does, and, once it listens, dials itself the
@@ -15,9 +15,9 @@ import dataclasses
 import grpc
 
 from gridcomm import _config
-from gridcomm._client.channel import make_aio_channel
 from gridcomm._errors import ConfigError
 from gridcomm._runtime import guard
+from gridcomm._runtime.channel import make_aio_channel
 from gridcomm._wire import SERVICE_NAME
 
 
