@@ -1,5 +1,9 @@
 """How the coordinator answers in gRPC's terms: refusals as statuses (code, readable details,
-trailers), the state's members and failures as messages, and the bounded log of refused tokens."""
+trailers), the state's members and failures as messages, and the bounded log of refused tokens.
+
+A refusal (:class:`Abort`, a :class:`~gridcomm._coordinator.state.StateError`, or an unexpected
+error) becomes its status in one place, :func:`status_of`; a unary call ends with it
+(:func:`refuse`), an operation of a Session stream answers with it (:func:`refused_result`)."""
 
 from __future__ import annotations
 
@@ -59,6 +63,23 @@ async def refuse(context: grpc.aio.ServicerContext, name: str, exc: Exception) -
         raise exc
     code, text, metadata = status_of(name, exc)
     await context.abort(code, text, trailing_metadata=metadata)
+
+
+#: A Session result that carries a status and nothing else: (operation id, code, details).
+CompactResult = tuple[int, int, str]
+
+
+def refused_result(op_id: int, name: str, exc: Exception) -> tuple[grpc.StatusCode, pb.SessionResult | CompactResult]:
+    """What a Session stream answers for an operation refused or failed (before or while it
+    runs): the status :func:`refuse` would end its unary call with, as a result of the stream,
+    and its code. Why a tuple when there are no trailers: a message of its own costs ~1 KB, and
+    one burst of 131,072 operations refused at once held +70 MB of them while being written;
+    the reply's result built from it (see gridcomm._coordinator.session) is the same bytes."""
+    code, text, metadata = status_of(name, exc)
+    if not metadata:
+        return code, (op_id, code.value[0], text)
+    return code, pb.SessionResult(id=op_id, code=code.value[0], details=text,
+                                  metadata=[pb.MetadataEntry(key=k, value=v) for k, v in metadata])
 
 
 def bounded(ranks: list[int], shown: int = 16) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from gridcomm._coordinator.answers import Abort, details, refuse, status_of
+from gridcomm._coordinator.answers import Abort, CompactResult, refuse, refused_result
 from gridcomm._coordinator.relay_lost import enter_stream
 from gridcomm._coordinator.servicer import Servicer
 from gridcomm._proto import coordinator_pb2 as pb
@@ -41,7 +41,7 @@ class ServerSession:
     def __init__(self, servicer: Servicer, context: grpc.aio.ServicerContext) -> None:
         self._servicer = servicer
         self._context = context
-        self._results: list[pb.SessionResult | tuple[int, int, str]] = []
+        self._results: list[pb.SessionResult | CompactResult] = []
         self._ready = asyncio.Event()
         self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -101,38 +101,32 @@ class ServerSession:
         self._results.append(result)
         self._ready.set()
 
-    def _refused(self, op_id: int, name: str, exc: Exception) -> pb.SessionResult:
-        code, text, metadata = status_of(name, exc)
+    def _refuse(self, op_id: int, name: str, exc: Exception) -> None:
+        """Answers an operation refused before it runs, or refused or failed while it ran, with
+        its unary RPC's status (gridcomm._coordinator.answers.refused_result)."""
+        code, result = refused_result(op_id, name, exc)
         self._servicer.metrics.session_op_error(name, code, 1)
-        return pb.SessionResult(id=op_id, code=code.value[0], details=text,
-                                metadata=[pb.MetadataEntry(key=k, value=v) for k, v in metadata])
-
-    def _refuse_at_once(self, op_id: int, name: str, exc: Abort) -> None:
-        """Answers an operation refused before it runs. Why a tuple until the reply is built: a
-        message of its own costs ~1 KB, and one burst of 131,072 operations refused at once held
-        +70 MB of them while being written."""
-        self._servicer.metrics.session_op_error(name, exc.code, 1)
-        self._results.append((op_id, exc.code.value[0], details(exc.message)))
+        self._results.append(result)
         self._ready.set()
 
     def _start(self, op: pb.SessionOp) -> None:
         kind = op.WhichOneof("op")
         operation = OPERATIONS.get(kind) if kind is not None else None
         if operation is None:
-            self._refuse_at_once(op.id, "Session", Abort(
+            self._refuse(op.id, "Session", Abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"Session operation {op.id} names no operation."))
             return
         request = getattr(op, kind)
         try:
             charged = self._servicer.admit_op(kind, request)
         except Abort as exc:
-            self._refuse_at_once(op.id, f"Session {kind}", exc)
+            self._refuse(op.id, f"Session {kind}", exc)
             return
         waiting = self._waiting.get(charged, 0)
         if waiting >= self._max_ops:
             if charged is not None:
                 self._servicer.release_op(charged)
-            self._refuse_at_once(op.id, f"Session {kind}", Abort(
+            self._refuse(op.id, f"Session {kind}", Abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{kind} refused: this Session stream already has {waiting} operations waiting."))
             return
@@ -155,7 +149,7 @@ class ServerSession:
             # No deadline of its own: the operation's wait_s bounds every wait.
             reply = await operation(self._servicer, request, None)
         except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
-            self._answer(self._refused(op_id, f"Session {kind}", exc))
+            self._refuse(op_id, f"Session {kind}", exc)
             return
         self._answer(pb.SessionResult(id=op_id, **{kind: reply}))
 
@@ -170,7 +164,7 @@ class ServerSession:
             batch, self._results = self._results, []
             reply = pb.SessionReply()
             for result in batch:
-                if isinstance(result, tuple):  # a refusal kept as (id, code, details): see _refuse_at_once
+                if isinstance(result, tuple):  # a refusal kept as (id, code, details): see refused_result
                     reply.results.add(id=result[0], code=result[1], details=result[2])
                 else:
                     reply.results.append(result)
