@@ -54,9 +54,8 @@ class RelayLosses:
         self._grace, self._closing, self._fail = grace, closing, fail
         #: rank -> the Session stream its latest heartbeat, or its join once answered as joined, came
         #: on (None: a unary call). Why not a join still waiting in the rendezvous: a rank whose
-        #: stream drops there joins again, as a direct one does (at 8,192 ranks on 2 cores, clients
-        #: whose loops ran 13 s behind re-dialled mid-join, and 55 live ranks were failed within the
-        #: grace when a waiting join counted).
+        #: stream drops there joins again, as a direct one does; a client short of CPU may re-dial
+        #: mid-join, and counting its waiting join would fail a live rank after the grace.
         self._via: dict[int, int | None] = {}
 
     # ------------------------------------------------------------------ what carries whom

@@ -21,11 +21,11 @@ leaves room for everyone else.
 
 Cost: a sweep reads the kernel's table only when this process holds more descriptors than half
 the cap (counting ``/proc/self/fd`` is cheap); otherwise it does nothing. A sweep that does read
-it runs on a thread of its own, not on the server's event loop: under a flood one takes 0.1-0.7 s
-(listing ~10,000 connections and descriptors, shutting thousands down, mostly system calls that
-release the GIL), and a coordinator's two ports sweep in turn, so on the loop they held a health
-probe or a call for up to 2 s. Linux only: elsewhere
-(no ``/proc``) it never starts and gRPC's limits alone apply.
+it runs on a thread of its own, not on the server's event loop: under a flood a sweep lists
+thousands of connections and descriptors and shuts thousands down (system calls that release the
+GIL), and a coordinator's ports sweep in turn; on the loop, that would hold a health probe or a
+call for the sweeps' whole length. Linux only: elsewhere (no ``/proc``) it never starts and
+gRPC's limits alone apply.
 """
 
 from __future__ import annotations

@@ -249,8 +249,8 @@ class LivenessOps(Operations):
         """After ``rank`` left: the waits a departure can concern re-check their condition (barriers,
         joins and recoveries, a new process waiting on that rank's old one); held heartbeats and
         gets do not, since a leave changes nothing they wait for. Why not wake_all: at the end of a
-        job every rank leaves at once, and each leave re-armed every held heartbeat, O(ranks x
-        waiters): at 8,192 ranks the leaves then outlasted their 10 s bound, and a rank whose leave
-        had not landed when its relay stopped reporting it was failed as silent."""
+        job every rank leaves at once, and each leave would re-arm every held heartbeat, O(ranks x
+        waiters), enough at thousands of ranks for leaves to outlast their bound and for a rank
+        whose leave had not landed when its relay stopped reporting it to be failed as silent."""
         for key in [k for k in self._waiters if k[0] in ("barrier", "join") or k == ("beat", rank)]:
             self._wake(key)
