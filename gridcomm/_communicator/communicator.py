@@ -16,25 +16,24 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
-from gridcomm._backends.base import Backend, Hooks
-from gridcomm._backends.host.plane import PlaneConfig
+from gridcomm._backends.base import Hooks
 from gridcomm._client import flight
 from gridcomm._client.client import SHORT_CALL_S, CoordinatorClient
 from gridcomm._client.tracker import COUNTED, Tracker
-from gridcomm._config.settings import NcclSettings
+from gridcomm._communicator.building import EmbeddedServer as EmbeddedServer
+from gridcomm._communicator.building import Job, build_backend
+from gridcomm._communicator.recovery import recover
 from gridcomm._errors import (
     CommAborted,
     ConfigError,
-    CoordinatorLost,
     CoordinatorUnavailable,
     GridcommError,
     RankFailedError,
     RankStalled,
     coordinator_lost,
 )
-from gridcomm._runtime.health import ProcessHealth
 from gridcomm._wire import shown_generation
 
 log = logging.getLogger(__name__)
@@ -48,51 +47,6 @@ ABORT_WAIT_S = 10.0
 
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gather", "send", "recv", "send_recv",
                "scatter", "gather", "all_to_all")
-
-
-def build_backend(kind: str, client: CoordinatorClient, name: str, rank: int, size: int, hooks: Hooks, *,
-                  plane: PlaneConfig | None = None, participants: Sequence[int] = (),
-                  failed: Callable[[], BaseException | None] = lambda: None, timeout_s: float | None = None,
-                  nccl: NcclSettings | None = None) -> Backend:
-    """Creates this rank's backend for communicator ``name``; for NCCL, its rank 0 makes the unique
-    ID (the NCCL bootstrap root lives in the creating process) and the others fetch it. The host
-    backend publishes its data-plane address (``plane``) and waits, with the ``participants``
-    (job ranks; empty: all), until every member has. ``failed()`` returns the failure this rank's
-    watcher has seen (or None): a backend that waits for its peers gives up when it is set.
-    ``hooks`` are what the backend calls back (its communicator's). ``timeout_s`` bounds the
-    creation, for either backend (default: the client's timeout); ``nccl`` is the NCCL engine's
-    settings as the job resolved them."""
-    if kind == "host":
-        from gridcomm._backends.host.backend import HostBackend
-
-        if plane is None:
-            raise ConfigError("the host backend needs its data-plane settings (PlaneConfig); build it through "
-                              "init_process_group.")
-        return HostBackend(client, name, rank, size, config=plane, participants=participants, hooks=hooks,
-                           timeout_s=timeout_s)
-    from gridcomm._backends import nccl as _nccl
-
-    return _nccl.connect(client, name, rank, size, hooks=hooks, failed=failed, timeout_s=timeout_s, settings=nccl)
-
-
-class EmbeddedServer(Protocol):
-    """The embedded coordinator, as a communicator sees it: something to stop at the end."""
-
-    def stop(self, grace_s: float = ...) -> None: ...
-
-
-class Job(Protocol):
-    """What a root communicator reads of its rank's job (gridcomm._communicator.process_group.Job)."""
-
-    health: ProcessHealth | None
-
-    @property
-    def coordinator(self) -> EmbeddedServer | None: ...
-
-    @property
-    def grace_s(self) -> float: ...
-
-    def recover(self, mode: str, timeout_s: float | None) -> Communicator: ...
 
 
 class Communicator:
@@ -414,47 +368,7 @@ class Communicator:
         return self._recover("shrink", timeout_s)
 
     def _recover(self, mode: str, timeout_s: float | None) -> Communicator:
-        if self._parent is not None:
-            raise ConfigError(f"{mode}() recovers the whole job: call it on the communicator init_process_group "
-                              "returned (this split child is closed with it; split the new one again).")
-        if self._successor is not None:
-            raise ConfigError(f"this communicator was already recovered into generation {self._successor.generation}; "
-                              f"call {mode}() on the communicator that recovery returned.")
-        assert self._job is not None  # a root: made by init_process_group or a recovery
-        if self._finalized:
-            raise CommAborted(f"rank {self.rank}: {mode}() after stop() or abort(); this rank has left the job.")
-        if self._closed is None:
-            failure = self._client.failure or self._failure_now()
-            if failure is None:
-                raise ConfigError(f"{mode}() follows a RankFailedError, but no rank of generation {self.generation} "
-                                  "has failed.")
-            self._on_failure(failure)
-        closed = self._closed
-        if not isinstance(closed, RankFailedError) or isinstance(closed, CoordinatorLost):
-            # This rank aborted (the job counts it failed), or the coordinator is gone: nothing to join.
-            raise copy.copy(closed)  # type: ignore[misc]
-        self._await_aborts()
-        for backend in self._all_backends():
-            try:
-                backend.destroy()  # already aborted at the failure; frees sockets and shared memory now
-            except Exception as exc:  # noqa: BLE001 - best effort
-                log.warning("rank %d: freeing a backend failed: %s", self.rank, exc)
-        successor: Communicator = self._job.recover(mode, timeout_s)
-        self._successor = successor
-        self._finalized = True  # the job's client, coordinator and health now belong to the successor
-        self._close(CommAborted(f"communicator {self.name!r} of generation {self.generation} was recovered by "
-                                f"{mode}() into generation {successor.generation}; use the communicator it returned"))
-        return successor
-
-    def _failure_now(self) -> GridcommError | None:
-        """Asks the coordinator for a failure of this generation the watcher has not told of yet."""
-        from gridcomm._client.watcher import failure_error
-
-        try:
-            failures = self._client.heartbeat()
-        except GridcommError as exc:
-            return exc if isinstance(exc, RankFailedError) else None
-        return failure_error(failures[0], self.rank) if failures else None
+        return recover(self, mode, timeout_s)
 
     def _latest(self) -> Communicator:
         root = self._root()
@@ -462,6 +376,7 @@ class Communicator:
             root = root._successor
         return root
 
+    # ------------------------------------------------------------------ leaving
     def stop(self) -> None:
         """Leaves cleanly and frees the backend; idempotent. Also the way out after another
         rank failed. On the rank that hosts the coordinator, waits (bounded) for every rank to

@@ -6,77 +6,64 @@ resolve.
 Order of precedence for every setting: explicit argument, ``GRIDCOMM_*``, compatible conventions
 (cupyx, torchrun/Kubeflow, Kubernetes Indexed Job), then a default or a :class:`ConfigError` that
 names the variable, its value and the fix. The variables are listed in
-:mod:`gridcomm._config.registry`.
+:mod:`gridcomm._config.registry`. The defaults, bounds and checks of the values are in
+:mod:`gridcomm._config.values`, the TLS files' loading in :mod:`gridcomm._config.tls_files`; their
+names are importable from here too.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import ipaddress
-import math
-import operator
 import os
 from collections.abc import Mapping
 
+from gridcomm._config.tls_files import TlsFiles as TlsFiles
+from gridcomm._config.tls_files import read_tls
+from gridcomm._config.values import BACKENDS as BACKENDS
+from gridcomm._config.values import DEBUG_FLAGS as DEBUG_FLAGS
+from gridcomm._config.values import DEFAULT_FLIGHT_RECORD as DEFAULT_FLIGHT_RECORD
+from gridcomm._config.values import DEFAULT_HEARTBEAT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
+from gridcomm._config.values import DEFAULT_HOST as DEFAULT_HOST
+from gridcomm._config.values import DEFAULT_JOB_ID as DEFAULT_JOB_ID
+from gridcomm._config.values import DEFAULT_METRICS_LINGER_S as DEFAULT_METRICS_LINGER_S
+from gridcomm._config.values import DEFAULT_PORT as DEFAULT_PORT
+from gridcomm._config.values import DEFAULT_RANKS_PER_ROOT as DEFAULT_RANKS_PER_ROOT
+from gridcomm._config.values import DEFAULT_RELAY_FANIN as DEFAULT_RELAY_FANIN
+from gridcomm._config.values import DEFAULT_RELAY_PORT as DEFAULT_RELAY_PORT
+from gridcomm._config.values import DEFAULT_STALL_TIMEOUT_S as DEFAULT_STALL_TIMEOUT_S
+from gridcomm._config.values import DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S
+from gridcomm._config.values import MAX_FLIGHT_RECORD as MAX_FLIGHT_RECORD
+from gridcomm._config.values import MAX_METRICS_LINGER_S as MAX_METRICS_LINGER_S
+from gridcomm._config.values import MAX_WORLD_SIZE as MAX_WORLD_SIZE
+from gridcomm._config.values import NCCL_ENGINES as NCCL_ENGINES
+from gridcomm._config.values import RELAY_AUTO_WORLD as RELAY_AUTO_WORLD
+from gridcomm._config.values import RELAY_MODES as RELAY_MODES
+from gridcomm._config.values import SESSION_MODES as SESSION_MODES
+from gridcomm._config.values import _check_int, _first, _parse_int
+from gridcomm._config.values import auto_relay_fanin as auto_relay_fanin
+from gridcomm._config.values import format_relay_address as format_relay_address
+from gridcomm._config.values import format_target as format_target
+from gridcomm._config.values import parse_duration as parse_duration
+from gridcomm._config.values import parse_int as parse_int
+from gridcomm._config.values import parse_target as parse_target
+from gridcomm._config.values import validate_host as validate_host
+from gridcomm._config.values import validate_token as validate_token
 from gridcomm._errors import ConfigError
-
-#: cupyx.distributed's defaults, kept so a cupyx program switches by changing its import.
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 13333
-#: Bound on a whole call (join, barrier, get, rebuild) unless the caller or GRIDCOMM_TIMEOUT_S says otherwise.
-DEFAULT_TIMEOUT_S = 300.0
-DEFAULT_JOB_ID = "default"
-#: A rank not heard from for this long is declared failed (GRIDCOMM_HEARTBEAT_TIMEOUT_S).
-DEFAULT_HEARTBEAT_TIMEOUT_S = 15.0
-BACKENDS = ("auto", "nccl", "host")
-#: How long ranks may wait in a collective a live rank has not entered before it is named
-#: (GRIDCOMM_STALL_TIMEOUT_S); never more than the call timeout. Why 120 s: far above a step's
-#: skew between ranks in a healthy job (and 8x the liveness bound), so one rank's long solo work
-#: between collectives (an evaluation, a checkpoint it writes alone) is not a stall; far below
-#: torch's 10-minute NCCL watchdog and the 300 s call timeout, whose expiry names nobody useful.
-DEFAULT_STALL_TIMEOUT_S = 120.0
-#: What GRIDCOMM_DEBUG may name (comma-separated).
-DEBUG_FLAGS = ("collectives",)
 
 
 def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
     return os.environ if environ is None else environ
 
 
-def _first(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | None:
-    for name in names:
-        value = env.get(name)
-        if value is not None and value.strip() != "":
-            return name, value.strip()
-    return None
+def tls(environ: Mapping[str, str] | None = None) -> TlsFiles | None:
+    """TLS settings, or None (plaintext) when no GRIDCOMM_TLS_* file is set.
 
-
-def _parse_int(name: str, value: str, *, minimum: int, maximum: int | None = None) -> int:
-    try:
-        parsed = int(value, 10)
-    except ValueError:
-        raise ConfigError(f"{name}={value!r} is not an integer; set it to a whole number such as {minimum}.") from None
-    if parsed < minimum or (maximum is not None and parsed > maximum):
-        upper = f" and at most {maximum}" if maximum is not None else ""
-        raise ConfigError(f"{name}={parsed} is out of range; it must be at least {minimum}{upper}.")
-    return parsed
-
-
-def parse_duration(name: str, value: object, *, allow_zero: bool = False) -> float:
-    """Parses a duration in seconds (``*_s``) and checks it is finite and positive."""
-    try:
-        parsed = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}={value!r} is not a number of seconds; use e.g. {name}=30.") from None
-    if not math.isfinite(parsed) or parsed < 0 or (parsed == 0 and not allow_zero):
-        raise ConfigError(f"{name}={value!r} must be a finite number of seconds greater than 0.")
-    return parsed
-
-
-#: The most ranks one coordinator is started for. Why a bound: a world size comes from the
-#: command line or the environment, and a coordinator sized for a billion ranks dies on a
-#: MemoryError before it can say why; 2**20 is far above any job gridcomm is built for.
-MAX_WORLD_SIZE = 1 << 20
+    GRIDCOMM_TLS_CERT / _KEY: the coordinator's certificate and key (PEM files).
+    GRIDCOMM_TLS_CA: the CA that clients trust for the coordinator (and that the coordinator
+    trusts for client certificates). GRIDCOMM_TLS_REQUIRE_CLIENT_CERT=1: mTLS.
+    GRIDCOMM_TLS_CLIENT_CERT / _KEY: the certificate a rank presents (default: the shared one).
+    GRIDCOMM_TLS_SERVER_NAME: the name to verify in the coordinator's certificate.
+    """
+    return read_tls(_env(environ))
 
 
 def world_size(explicit: int | None = None, environ: Mapping[str, str] | None = None) -> int:
@@ -148,45 +135,6 @@ def bind_address(explicit: str | None = None, environ: Mapping[str, str] | None 
     return "0.0.0.0" if found is None else validate_host(found[0], found[1])
 
 
-def validate_host(name: str, host: object) -> str:
-    if not isinstance(host, str) or not host.strip() or any(c.isspace() for c in host.strip()):
-        raise ConfigError(f"{name}={host!r} is not a host name or address; use e.g. 'job-0.svc' or '10.0.0.1'.")
-    host = host.strip()
-    if "://" in host:
-        raise ConfigError(f"{name}={host!r} is a URL; give the host name or address alone (e.g. 'job-0.svc'), "
-                          "and the port in its own setting (GRIDCOMM_PORT).")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        try:
-            ipaddress.ip_address(host.split("%", 1)[0])
-        except ValueError:
-            bare, _, port = host.rpartition(":")
-            raise ConfigError(f"{name}={host!r} holds a port; set {name}={bare!r} and the port in its own setting "
-                              f"(GRIDCOMM_PORT={port}, or port=).") from None
-    return host
-
-
-def format_target(host: str, port: int) -> str:
-    """host:port as gRPC wants it (IPv6 literals in brackets)."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def parse_target(target: str) -> tuple[str, int]:
-    """Parses HOST:PORT (or [V6]:PORT) from the command line."""
-    text = target.strip()
-    if text.startswith("["):
-        close = text.find("]")
-        if close < 0 or not text[close + 1 :].startswith(":"):
-            raise ConfigError(f"address {target!r} is not [IPV6]:PORT.")
-        host, port_text = text[1:close], text[close + 2 :]
-    else:
-        host, sep, port_text = text.rpartition(":")
-        if not sep or not host:
-            raise ConfigError(f"address {target!r} is not HOST:PORT; e.g. 127.0.0.1:13333.")
-    return validate_host("host", host), _parse_int("port", port_text, minimum=1, maximum=65535)
-
-
 def timeout_s(explicit: float | None = None, environ: Mapping[str, str] | None = None) -> float:
     """The bound on a whole call: argument, GRIDCOMM_TIMEOUT_S, then 300 s."""
     if explicit is not None:
@@ -248,11 +196,6 @@ def debug_flags(environ: Mapping[str, str] | None = None) -> frozenset[str]:
         raise ConfigError(f"GRIDCOMM_DEBUG={found[1]!r} names {', '.join(unknown)}; it knows "
                           f"{', '.join(DEBUG_FLAGS)} (comma-separated).")
     return flags
-
-
-#: Collectives each communicator's flight record keeps by default (GRIDCOMM_FLIGHT_RECORD).
-DEFAULT_FLIGHT_RECORD = 256
-MAX_FLIGHT_RECORD = 1 << 20
 
 
 def flight_record(environ: Mapping[str, str] | None = None) -> int:
@@ -329,17 +272,6 @@ def withhold_token(environ: Mapping[str, str] | None = None) -> None:
         os.environ.pop("GRIDCOMM_TOKEN", None)
 
 
-def validate_token(name: str, value: object) -> str:
-    if isinstance(value, str) and value and value != value.strip():
-        # Why refused: a blank token is no secret, and one with spaces around it was almost
-        # surely pasted with them; the other ranks' copy would differ.
-        raise ConfigError(f"{name} is {'blank' if not value.strip() else 'padded with whitespace'}; set the secret "
-                          "itself (no spaces around it), or leave it unset for no authentication.")
-    if not isinstance(value, str) or not value or not value.isprintable() or len(value) > 4096:
-        raise ConfigError(f"{name} must be a non-empty printable string of at most 4096 characters.")
-    return value
-
-
 def job_id(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> str:
     if explicit is None:
         found = _first(_env(environ), ("GRIDCOMM_JOB_ID",))
@@ -368,9 +300,6 @@ def coordinator_mode(environ: Mapping[str, str] | None = None) -> str:
     return mode
 
 
-SESSION_MODES = ("client", "off")
-
-
 def session_mode(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> str:
     """How a client carries its waiting calls: ``client`` (default: a Session stream of its own)
     or ``off`` (unary RPCs only); argument, then GRIDCOMM_SESSION."""
@@ -388,15 +317,6 @@ def session_mode(explicit: str | None = None, environ: Mapping[str, str] | None 
     return value
 
 
-RELAY_MODES = ("auto", "on", "off")
-
-
-#: From this world size on, GRIDCOMM_RELAY=auto builds the relay tree.
-RELAY_AUTO_WORLD = 256
-#: The smallest fan-in GRIDCOMM_RELAY_FANIN=auto picks (up to 1,024 ranks it is this).
-DEFAULT_RELAY_FANIN = 32
-
-
 def relay_fanin(environ: Mapping[str, str] | None = None) -> int | None:
     """GRIDCOMM_RELAY_FANIN: ranks per relay of the tree (the relay's own rank included); None
     (unset or ``auto``): derived from the world size, see auto_relay_fanin."""
@@ -407,19 +327,6 @@ def relay_fanin(environ: Mapping[str, str] | None = None) -> int | None:
         raise ConfigError(f"{found[0]}={found[1]!r} must be `auto` or a whole number of ranks per relay, "
                           "at least 2.")
     return _parse_int(found[0], found[1].strip(), minimum=2, maximum=4096)
-
-
-def auto_relay_fanin(world_size: int) -> int:
-    """The fan-in of GRIDCOMM_RELAY_FANIN=auto: the smallest power of two at or above the square
-    root of the world size, at least DEFAULT_RELAY_FANIN (32 up to 1,024 ranks, 64 up to 4,096,
-    128 up to 16,384, 512 at 100,000). Why the square root: a barrier waits for the slowest
-    relay's K child messages and then the coordinator's N / K relay messages, each about the same
-    cost, so K x c + N / K x c is least at K = sqrt(N). Every rank derives the same value from
-    the world size, so they agree on their groups without asking anyone."""
-    fanin = DEFAULT_RELAY_FANIN
-    while fanin * fanin < world_size:
-        fanin *= 2
-    return fanin
 
 
 def relay_mode(environ: Mapping[str, str] | None = None) -> str:
@@ -447,11 +354,6 @@ def relay_address(explicit: str | None = None, environ: Mapping[str, str] | None
         raise ConfigError(f"GRIDCOMM_RELAY_ADDRESS: {exc}") from None
 
 
-#: The port of a tree relay whose address is derived from a Kubernetes pod name (the coordinator's
-#: default port is 13333, a rank's health port 13334, its metrics port 13335 in deploy/).
-DEFAULT_RELAY_PORT = 13336
-
-
 def relay_addresses(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
     """GRIDCOMM_RELAY_ADDRESSES: where the tree's relays listen, as a template of ``host:port`` in
     which ``{leader}`` is the rank that hosts a group's relay and ``{group}`` the group's index
@@ -471,38 +373,10 @@ def relay_addresses(explicit: str | None = None, environ: Mapping[str, str] | No
     return value
 
 
-def format_relay_address(template: str, leader: int, group: int, name: str = "GRIDCOMM_RELAY_ADDRESSES") -> str:
-    """One group's relay address from the template (see relay_addresses)."""
-    try:
-        text = template.format(leader=leader, group=group)
-    except (KeyError, IndexError, ValueError, AttributeError) as exc:
-        raise ConfigError(f"{name}={template!r} is not a template of {{leader}} and {{group}}: "
-                          f"{type(exc).__name__}: {exc}") from None
-    try:
-        return format_target(*parse_target(text))
-    except ConfigError as exc:
-        raise ConfigError(f"{name}={template!r} gives {text!r} for group {group}: {exc}") from None
-
-
-def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            value = operator.index(value)  # type: ignore[arg-type]  # numpy integers
-        except TypeError:
-            raise ConfigError(f"{name}={value!r} must be an integer.") from None
-    return _parse_int(name, str(value), minimum=minimum, maximum=maximum)
-
-
 def process_environ() -> Mapping[str, str]:
     """The process environment, for code that takes an ``environ`` mapping (cluster detection), so
     that this module stays the only one that touches ``os.environ``. Read it; do not change it."""
     return os.environ
-
-
-def parse_int(name: str, value: str, *, minimum: int, maximum: int | None = None) -> int:
-    """Parses the integer setting ``name`` from text, with a ConfigError that names it when it is
-    not a whole number in ``minimum..maximum``."""
-    return _parse_int(name, value, minimum=minimum, maximum=maximum)
 
 
 def health_port(explicit: int | None = None, environ: Mapping[str, str] | None = None) -> int | None:
@@ -554,15 +428,6 @@ def metrics_port(explicit: int | None = None, environ: Mapping[str, str] | None 
     return None if found is None else _parse_int(found[0], found[1], minimum=0, maximum=65535)
 
 
-#: How long the process hosting the coordinator keeps serving /metrics and status when it stops
-#: with a grace (rank 0 at the job's end or after a failure): GRIDCOMM_METRICS_LINGER_S. Why 30 s:
-#: two scrapes at Prometheus's slowest common interval (15 s, the shipped ServiceMonitor's), so
-#: the last one sees the failure; and no more than Kubernetes' default 30 s termination grace.
-DEFAULT_METRICS_LINGER_S = 30.0
-#: A linger above this is refused: a typo must not hold a finished pod for hours.
-MAX_METRICS_LINGER_S = 600.0
-
-
 def metrics_linger_s(environ: Mapping[str, str] | None = None) -> float:
     """GRIDCOMM_METRICS_LINGER_S (``0``: none), else 30 s; at most 600 s."""
     found = _first(_env(environ), ("GRIDCOMM_METRICS_LINGER_S",))
@@ -573,79 +438,6 @@ def metrics_linger_s(environ: Mapping[str, str] | None = None) -> float:
         raise ConfigError(f"{found[0]}={found[1]!r} is more than {MAX_METRICS_LINGER_S:g} s; the linger only has to "
                           "outlast two scrape intervals (e.g. 30 for a 15 s scrape).")
     return value
-
-
-@dataclasses.dataclass(frozen=True)
-class TlsFiles:
-    """TLS material (PEM bytes) from GRIDCOMM_TLS_*; see :func:`tls`."""
-
-    cert: bytes | None = None
-    key: bytes | None = None
-    ca: bytes | None = None
-    client_cert: bytes | None = None
-    client_key: bytes | None = None
-    server_name: str | None = None
-    require_client_cert: bool = False
-
-    def client_pair(self) -> tuple[bytes | None, bytes | None]:
-        """The certificate a client presents (mTLS): its own, else the shared cert when the
-        server requires one."""
-        if self.client_cert is not None:
-            return self.client_cert, self.client_key
-        if self.require_client_cert:
-            return self.cert, self.key
-        return None, None
-
-
-_TLS_FILES = {
-    "cert": "GRIDCOMM_TLS_CERT",
-    "key": "GRIDCOMM_TLS_KEY",
-    "ca": "GRIDCOMM_TLS_CA",
-    "client_cert": "GRIDCOMM_TLS_CLIENT_CERT",
-    "client_key": "GRIDCOMM_TLS_CLIENT_KEY",
-}
-
-
-def tls(environ: Mapping[str, str] | None = None) -> TlsFiles | None:
-    """TLS settings, or None (plaintext) when no GRIDCOMM_TLS_* file is set.
-
-    GRIDCOMM_TLS_CERT / _KEY: the coordinator's certificate and key (PEM files).
-    GRIDCOMM_TLS_CA: the CA that clients trust for the coordinator (and that the coordinator
-    trusts for client certificates). GRIDCOMM_TLS_REQUIRE_CLIENT_CERT=1: mTLS.
-    GRIDCOMM_TLS_CLIENT_CERT / _KEY: the certificate a rank presents (default: the shared one).
-    GRIDCOMM_TLS_SERVER_NAME: the name to verify in the coordinator's certificate.
-    """
-    env = _env(environ)
-    loaded: dict[str, bytes | None] = {}
-    for field, name in _TLS_FILES.items():
-        found = _first(env, (name,))
-        if found is None:
-            loaded[field] = None
-            continue
-        try:
-            with open(found[1], "rb") as handle:
-                loaded[field] = handle.read()
-        except OSError as exc:
-            raise ConfigError(f"{name}={found[1]!r} cannot be read: {exc.strerror}.") from exc
-    if all(v is None for v in loaded.values()):
-        return None
-    require = _first(env, ("GRIDCOMM_TLS_REQUIRE_CLIENT_CERT",))
-    require_flag = require is not None and require[1].lower() in ("1", "true", "yes", "on")
-    if (loaded["cert"] is None) != (loaded["key"] is None):
-        raise ConfigError("GRIDCOMM_TLS_CERT and GRIDCOMM_TLS_KEY must be set together.")
-    if (loaded["client_cert"] is None) != (loaded["client_key"] is None):
-        raise ConfigError("GRIDCOMM_TLS_CLIENT_CERT and GRIDCOMM_TLS_CLIENT_KEY must be set together.")
-    if require_flag and loaded["ca"] is None:
-        raise ConfigError("GRIDCOMM_TLS_REQUIRE_CLIENT_CERT needs GRIDCOMM_TLS_CA to verify client certificates.")
-    server_name = _first(env, ("GRIDCOMM_TLS_SERVER_NAME",))
-    return TlsFiles(server_name=None if server_name is None else server_name[1], require_client_cert=require_flag,
-                    **loaded)
-
-
-#: Values of GRIDCOMM_NCCL_ENGINE.
-NCCL_ENGINES = ("auto", "nccl4py", "cupy")
-#: Ranks per NCCL bootstrap root (GRIDCOMM_RANKS_PER_ROOT), as torch's TORCH_NCCL_RANKS_PER_ROOT.
-DEFAULT_RANKS_PER_ROOT = 128
 
 
 def nccl_engine(environ: Mapping[str, str] | None = None) -> str:

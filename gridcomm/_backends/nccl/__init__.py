@@ -1,7 +1,8 @@
 """The NCCL backend: one NCCL communicator per rank, with cupyx's argument conventions.
 
 What the rest of gridcomm uses of it is re-exported here; ``loader`` decides what NCCL this process
-can use, ``engines`` drives it, ``bootstrap`` makes a communicator, ``backend`` runs collectives.
+can use, ``engines`` drives it, ``bootstrap`` makes a communicator, ``backend`` runs collectives
+(``build`` puts a backend together).
 """
 
 from gridcomm._backends.nccl.backend import NcclBackend

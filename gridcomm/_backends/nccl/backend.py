@@ -1,23 +1,8 @@
 """The NCCL backend: one NCCL communicator per rank, with cupyx's argument conventions.
 
-Two engines drive NCCL, chosen when a communicator is built (``GRIDCOMM_NCCL_ENGINE``):
-
-- ``nccl4py`` (NVIDIA's binding, ``pip install nccl4py``; the ``cuda12``/``cuda13`` extras pull it
-  in): the communicator is created non-blocking (``NCCLConfig(blocking=False)``) and polled to
-  completion against the caller's deadline; on the deadline it is aborted (``ncclCommAbort``) and
-  :class:`RendezvousTimeout` is raised, and as soon as ``failed()`` reports a peer's failure it is
-  aborted and that error is raised. A peer that dies inside NCCL init therefore ends in an error,
-  never a hang. Worlds larger than ``GRIDCOMM_RANKS_PER_ROOT`` ranks (128 by default) bootstrap
-  through several unique IDs (``ncclCommInitRankScalable``), one per NCCL root partition.
-  Collectives run on a blocking child made by a non-blocking ``ncclCommSplit`` of that
-  communicator (so every call is enqueued when it returns, as with CuPy, and no call can come back
-  ``ncclInProgress``). The split is finished in the background, bounded like the init: the backend
-  is returned once the parent is up (every rank has reached NCCL), and the first collective waits
-  for the child; the non-blocking parent is destroyed once the child is up.
-- ``cupy`` (``cupy.cuda.nccl``): ``ncclCommInitRank`` blocks until every rank arrives; CuPy has no
-  non-blocking init, so a peer that dies inside it leaves the others blocked there until NCCL's
-  own bootstrap timeout, if any (the deadline and ``failed()`` are checked only before init).
-- ``auto`` (the default): nccl4py where it imports and loads libnccl, else cupy.
+Two engines drive NCCL, chosen when a communicator is built (``GRIDCOMM_NCCL_ENGINE``): nccl4py
+(non-blocking init, bounded by the deadline and ``failed()``) and CuPy's binding; :mod:`.engines`
+says how each creates, bounds and splits a communicator. :mod:`.build` puts a backend together.
 
 No gRPC here: unique IDs travel as bytes through the coordinator client ``connect`` is given.
 The per-call path is kept short (one dict lookup for the dtype, one for the op, a few attribute
@@ -37,55 +22,17 @@ from typing import Any
 from gridcomm import _config
 from gridcomm._backends import validate as _validate
 from gridcomm._backends.base import NO_HOOKS, Hooks
-from gridcomm._backends.nccl import lifecycle, sharing
-from gridcomm._backends.nccl.engines import _TYPE_NAMES, _engine_for
+from gridcomm._backends.nccl import build, lifecycle
+from gridcomm._backends.nccl.engines import _engine_for
 from gridcomm._backends.nccl.loader import _load_cupy, engine
 from gridcomm._backends.nccl.sampler import GpuSampler
-from gridcomm._backends.nccl.timing import MASK, GpuTimer
+from gridcomm._backends.nccl.timing import MASK
 from gridcomm._config.settings import NcclSettings
 from gridcomm._errors import ArgumentError, GridcommError
 
 log = logging.getLogger(__name__)
 
 _clock = time.monotonic
-
-
-def _check_sharing(cupy: Any, eng: Any, unique_id: bytes, rank: int, size: int) -> sharing.Marker | None:
-    """sharing.check for the current device (named by its PCI bus id: CUDA_VISIBLE_DEVICES
-    renumbers devices per process). Skipped, with a debug line, where CUDA cannot name it."""
-    try:
-        gpu = str(cupy.cuda.Device().pci_bus_id)
-    except Exception as exc:  # noqa: BLE001 - CUDA errors: NCCL's own init reports them
-        log.debug("rank %d: GPU sharing not checked: %s", rank, exc)
-        return None
-    try:
-        version = int(eng.version())
-    except Exception as exc:  # noqa: BLE001 - an unknown version is checked as new enough
-        log.debug("rank %d: NCCL version unknown: %s", rank, exc)
-        version = sharing.MULTI_RANK_MIN_NCCL
-    return sharing.check(unique_id, gpu, rank, size, version)
-
-
-class _Count:
-    """A count nobody reads (until the communicator hands the backend its tracker)."""
-
-    __slots__ = ("entered", "kind", "stream", "record")
-
-    def __init__(self) -> None:
-        self.entered = 0
-        self.kind = ""
-        self.stream: Any = None
-        #: No flight record (with GRIDCOMM_DEBUG=collectives the communicator's wrappers keep it).
-        self.record: Any = None
-
-
-def _timer(cupy: Any) -> GpuTimer | None:
-    """Timing events for this device's collectives (see timing), None where CUDA refuses them."""
-    try:
-        return GpuTimer(lambda: cupy.cuda.Event(disable_timing=False), cupy.cuda.runtime.streamIsCapturing)
-    except Exception as exc:  # noqa: BLE001 - no straggler figure, but the communicator works
-        log.debug("NCCL collectives are not timed: %s", exc)
-        return None
 
 
 class NcclBackend:
@@ -103,7 +50,7 @@ class NcclBackend:
                  hooks: Hooks = NO_HOOKS, settings: NcclSettings | None = None) -> None:
         #: Where each collective is counted as it is entered (the communicator's tracker; see
         #: gridcomm._client.tracker): anything with ``entered`` and ``kind``.
-        self.progress: Any = _Count()
+        self.progress: Any = build._Count()
         #: Called with an ArgumentError before it propagates (the communicator's hook).
         self.on_invalid: Callable[[Exception], None] | None = hooks.on_invalid
         #: The engine settings it was made with (a split child made through connect reuses them).
@@ -117,31 +64,7 @@ class NcclBackend:
         self._engine = eng
         self._cupy = cupy
         self._current_stream = cupy.cuda.get_current_stream
-        # Precomputed tables: dtype -> (NCCL type, elements per array element), op -> NCCL op.
-        self._dtypes: dict[Any, tuple[int, int]] = {}
-        for name in _TYPE_NAMES:
-            self._dtypes[cupy.dtype(name)] = (eng.types[name], 1)
-        self._dtypes[cupy.dtype("complex64")] = (eng.types["float32"], 2)
-        self._dtypes[cupy.dtype("complex128")] = (eng.types["float64"], 2)
-        if "bfloat16" in eng.types:
-            try:  # CuPy 14 knows "bfloat16" through ml_dtypes
-                self._dtypes[cupy.dtype("bfloat16")] = (eng.types["bfloat16"], 1)
-            except TypeError:
-                pass
-        self._ops = dict(eng.ops)
-        # The per-call tables are keyed by id(dtype): hashing a NumPy dtype costs more than the rest
-        # of a fast path. The dtype objects are held by self._dtypes, so an id found here is that
-        # very dtype; any other object (an equal dtype included) misses and takes the checked path.
-        #   id(dtype) -> (NCCL type, elements per array element)
-        #   op -> id(dtype) -> (NCCL type, elements per array element, NCCL op), valid pairs only
-        #   (complex: sum only; avg: floating types only).
-        self._by_id: dict[int, tuple[int, int]] = {id(dt): entry for dt, entry in self._dtypes.items()}
-        self._reduce_by_id: dict[str, dict[int, tuple[int, int, int]]] = {op: {} for op in self._ops}
-        for dt, (nccl_type, mult) in self._dtypes.items():
-            for op, code in self._ops.items():
-                if (mult == 2 and op != "sum") or (op == "avg" and dt.kind != "f" and dt.name != "bfloat16"):
-                    continue
-                self._reduce_by_id[op][id(dt)] = (nccl_type, mult, code)
+        self._dtypes, self._ops, self._by_id, self._reduce_by_id = build.call_tables(cupy, eng)
         self._group_start, self._group_end = eng.group_start, eng.group_end
         # NCCL's per-call functions, in the engine's one shape (see the engines above).
         self._nccl_all_reduce, self._nccl_reduce, self._nccl_broadcast = eng.all_reduce, eng.reduce, eng.broadcast
@@ -151,7 +74,7 @@ class NcclBackend:
             deadline = time.monotonic() + _config.DEFAULT_TIMEOUT_S
         #: This rank's mark on its GPU while the communicator lives (see sharing): checked
         #: before NCCL init, so ranks sharing a GPU without NCCL's mode get a ConfigError.
-        self._marker = _check_sharing(cupy, eng, ids[0], rank, world_size)
+        self._marker = build._check_sharing(cupy, eng, ids[0], rank, world_size)
         try:
             #: What owns the communicator (abort/destroy), and the handle the per-call functions take.
             self._owner: Any = eng.create(world_size, rank, ids, deadline, failed, label)
@@ -159,47 +82,22 @@ class NcclBackend:
             if self._marker is not None:
                 self._marker.remove()
             raise
-        #: While calls wait for a split (see _defer_to_first_call): the real per-call functions
+        #: While calls wait for a split (see build.defer_to_first_call): the real per-call functions
         #: and group_start, to put back.
         self._pending: tuple[dict[str, Any], Callable[[], None]] | None = None
         if getattr(self._owner, "ready_now", True):
             self._c: Any = eng.handle(self._owner)
         else:
-            self._defer_to_first_call()
+            build.defer_to_first_call(self)
         #: GPU completion and the timed collectives' GPU time, sampled on a thread of its own
         #: (see gpu_progress, sampler and timing).
         self._device_id = cupy.cuda.Device().id
-        self._timer = _timer(cupy)
+        self._timer = build._timer(cupy)
         self._sampler = GpuSampler(self._device_id, timer=self._timer)
 
     # ------------------------------------------------------------------ a split still under way
     _PER_CALL = ("_nccl_all_reduce", "_nccl_reduce", "_nccl_broadcast", "_nccl_reduce_scatter", "_nccl_all_gather",
                  "_nccl_send", "_nccl_recv")
-
-    def _defer_to_first_call(self) -> None:
-        """nccl4py: the blocking child the calls run on is still being split off (see
-        engines._Split). Until it is up, each per-call function and group_start is a stand-in
-        that waits for it, puts the real functions back and makes the call with the child's
-        handle (every function takes the communicator second to last). After that the fast
-        paths are exactly what they were: not one check per call is added. Code that reads the
-        per-call functions or the handle itself (the benchmarks) calls :meth:`ready` first."""
-        self._c = self._engine.null
-        real = {name: getattr(self, name) for name in self._PER_CALL}
-        group_start = self._group_start
-        self._pending = (real, group_start)
-
-        def deferred(fn: Callable[..., Any]) -> Callable[..., Any]:
-            def first(*args: Any) -> Any:
-                return fn(*args[:-2], self.ready(), args[-1])
-            return first
-
-        def first_group_start() -> None:
-            self.ready()
-            group_start()
-
-        for name, fn in real.items():
-            setattr(self, name, deferred(fn))
-        self._group_start = first_group_start
 
     def ready(self) -> Any:
         """Waits until this communicator's calls go straight to NCCL and returns the handle they
@@ -540,32 +438,11 @@ class NcclBackend:
         joins no group). None otherwise, and always with nccl4py: the caller then builds the child
         through :func:`connect`, whose init is non-blocking and bounded (a split of this blocking
         communicator would block, unbounded, on a peer that died)."""
-        split = getattr(self._owner, "commSplit", None) if self.engine == "cupy" else None
-        if split is None:
-            return None
-        try:
-            comm = split(color, key)
-        except Exception as exc:  # noqa: BLE001 - NcclError
-            raise GridcommError(f"rank {self.rank}: ncclCommSplit(color={color}, key={key}) failed: {exc}") from exc
-        if color < 0:
-            return None
-        child = object.__new__(NcclBackend)
-        child.__dict__.update(self.__dict__)
-        child.rank, child.world_size, child._owner, child._c = new_rank, new_size, comm, comm
-        child._marker = None  # the parent's mark is the parent's to remove
-        child.progress = _Count()  # the communicator hands the child its own tracker
-        child._timer = _timer(self._cupy)  # its own collectives, its own samples
-        child._sampler = GpuSampler(self._device_id, timer=child._timer)
-        child.on_invalid = hooks.on_invalid
-        return child
+        return build.split_child(self, color, key, new_rank, new_size, hooks)
 
     def exchange_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` in rank order, through an NCCL all_gather (used by split)."""
-        cupy = self._cupy
-        mine = cupy.asarray(values, dtype=cupy.int64)
-        out = cupy.empty(len(values) * self.world_size, dtype=cupy.int64)
-        self.all_gather(mine, out, len(values))
-        return out.get().reshape(self.world_size, len(values)).tolist()
+        return build.exchange_ints(self, values)
 
     def gpu_progress(self) -> tuple[int, float]:
         """On the background loop, once per heartbeat: how many of this communicator's collectives
@@ -598,18 +475,9 @@ class NcclBackend:
         NCCL's own argument check instead of touching freed memory."""
         owner, self._owner = self._owner, None
         self._c = self._engine.null
-        self._unmark()
+        build.unmark(self)
         if owner is not None:
             owner.abort()  # CuPy's NcclCommunicator and nccl.core's Communicator alike
-
-    def _unmark(self) -> None:
-        """What goes with the communicator: the sampler's thread, this rank's GPU marker."""
-        sampler = getattr(self, "_sampler", None)
-        if sampler is not None:
-            sampler.stop()
-        marker, self._marker = getattr(self, "_marker", None), None
-        if marker is not None:
-            marker.remove()
 
     #: Its abort may block (ncclCommAbort waits for the GPU): the communicator runs it off the
     #: thread that heard of a failure (the background loop, which must go on heartbeating).
@@ -620,7 +488,7 @@ class NcclBackend:
         past ``lifecycle.DESTROY_WAIT_S`` the communicator is aborted instead (see lifecycle)."""
         owner, self._owner = self._owner, None
         self._c = self._engine.null
-        self._unmark()
+        build.unmark(self)
         if owner is not None:
             lifecycle.bounded_destroy(owner, f"rank {self.rank} of {self.world_size} ({self.engine})")
 

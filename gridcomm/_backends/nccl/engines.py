@@ -1,5 +1,24 @@
 """The two engines that create and drive NCCL communicators (CuPy's binding, nccl4py), the unique
-id in the forms each takes, and the hot-path call tables."""
+id in the forms each takes, and the hot-path call tables. Which one drives a communicator is
+chosen when it is built (``GRIDCOMM_NCCL_ENGINE``):
+
+- ``nccl4py`` (NVIDIA's binding, ``pip install nccl4py``; the ``cuda12``/``cuda13`` extras pull it
+  in): the communicator is created non-blocking (``NCCLConfig(blocking=False)``) and polled to
+  completion against the caller's deadline; on the deadline it is aborted (``ncclCommAbort``) and
+  :class:`RendezvousTimeout` is raised, and as soon as ``failed()`` reports a peer's failure it is
+  aborted and that error is raised. A peer that dies inside NCCL init therefore ends in an error,
+  never a hang. Worlds larger than ``GRIDCOMM_RANKS_PER_ROOT`` ranks (128 by default) bootstrap
+  through several unique IDs (``ncclCommInitRankScalable``), one per NCCL root partition.
+  Collectives run on a blocking child made by a non-blocking ``ncclCommSplit`` of that
+  communicator (so every call is enqueued when it returns, as with CuPy, and no call can come back
+  ``ncclInProgress``). The split is finished in the background, bounded like the init: the backend
+  is returned once the parent is up (every rank has reached NCCL), and the first collective waits
+  for the child; the non-blocking parent is destroyed once the child is up.
+- ``cupy`` (``cupy.cuda.nccl``): ``ncclCommInitRank`` blocks until every rank arrives; CuPy has no
+  non-blocking init, so a peer that dies inside it leaves the others blocked there until NCCL's
+  own bootstrap timeout, if any (the deadline and ``failed()`` are checked only before init).
+- ``auto`` (the default): nccl4py where it imports and loads libnccl, else cupy.
+"""
 
 from __future__ import annotations
 
