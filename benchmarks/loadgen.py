@@ -16,7 +16,8 @@ loop, speaking the real proto (gridcomm._proto only), as the relay tree puts the
   relay's address in its ask. Then the members join through their relay, which holds a group's
   first joins until the whole group has arrived or for 1 s, as the real relay does; a rank told
   "join directly" joins on a stream of its own. The asks go over a pool of ``--ask-connections``
-  channels (a real rank dials one of its own).
+  channels (a real rank dials one of its own), all at once unless ``--ask-rate`` spreads the
+  ranks' starts (random order either way).
 
 Per run: T1 (start until every rank's join is answered), T2 (one barrier of all ranks, median of
 ``--barriers``), the coordinator's CPU per phase and its RSS (VmRSS at start, VmHWM at the end,
@@ -370,8 +371,11 @@ def jittered(seconds: float) -> float:
     return seconds * (0.5 + random.random())
 
 
-async def ask_and_join(run: Run, group: Group, rank: int, stub: pb_grpc.CoordinatorStub, kinds: Counter[str]) -> None:
+async def ask_and_join(run: Run, group: Group, rank: int, stub: pb_grpc.CoordinatorStub, kinds: Counter[str],
+                       delay_s: float) -> None:
     """The directed join of one rank: ask (again as told) where to join, then join there."""
+    if delay_s > 0:
+        await asyncio.sleep(delay_s)
     leader = rank == group.leader
     backoff = 0.2
     while True:
@@ -419,7 +423,7 @@ async def simulate(args: argparse.Namespace, shape: str, world: int, port: int, 
     meter_task = asyncio.ensure_future(meter())
     kinds: Counter[str] = Counter()
     pool: list[grpc.aio.Channel] = []
-    out: dict[str, Any] = {"shape": shape, "world": world, "fanin": fanin, "relays": len(groups),
+    out: dict[str, Any] = {"shape": shape, "world": world, "fanin": fanin, "relays": len(groups), "ask_rate": args.ask_rate,
                            "loadavg_start": loadavg()}
     me0, cpu0, t0 = cpu_s(), cpu_s(pid), time.monotonic()
     try:
@@ -431,7 +435,9 @@ async def simulate(args: argparse.Namespace, shape: str, world: int, port: int, 
             stubs = [pb_grpc.CoordinatorStub(c) for c in pool]
             order = list(range(world))
             random.Random(world).shuffle(order)  # ranks start in no particular order
-            joins = [ask_and_join(run, groups[r // fanin], r, stubs[i % len(stubs)], kinds) for i, r in enumerate(order)]
+            rate = args.ask_rate or float("inf")
+            joins = [ask_and_join(run, groups[r // fanin], r, stubs[i % len(stubs)], kinds, i / rate)
+                     for i, r in enumerate(order)]
         await asyncio.wait_for(asyncio.gather(*joins), args.timeout_s)
         t1 = max(run.joined_at.values()) - t0
         for channel in pool:
@@ -480,16 +486,16 @@ async def simulate(args: argparse.Namespace, shape: str, world: int, port: int, 
     return out
 
 
-def one_run(args: argparse.Namespace, shape: str, world: int) -> dict[str, Any]:
+async def one_run(args: argparse.Namespace, shape: str, world: int) -> dict[str, Any]:
     server = subprocess.Popen([sys.executable, "-c", SERVE, str(world), args.token, str(args.heartbeat_timeout_s)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=str(ROOT)))
     try:
         assert server.stdout is not None
         port = int(server.stdout.readline())
-        time.sleep(0.5)
+        await asyncio.sleep(0.5)
         rss0 = status_mb(server.pid, "VmRSS")
-        out = asyncio.run(simulate(args, shape, world, port, server.pid))
+        out = await simulate(args, shape, world, port, server.pid)
         peak = status_mb(server.pid, "VmHWM")
         out.update(coordinator_rss_start_mb=rss0, coordinator_rss_peak_mb=peak, coordinator_rss_growth_mb=peak - rss0)
         return out
@@ -526,6 +532,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+async def run_all(args: argparse.Namespace, shapes: list[str]) -> list[dict[str, Any]]:
+    """Every run on one event loop (grpc.aio's poller stays bound to the loop it first ran on)."""
+    rows = []
+    for rep in range(args.reps):
+        for world in (int(n) for n in args.ranks.split(",")):
+            for shape in shapes if rep % 2 == 0 else shapes[::-1]:
+                res = await one_run(args, shape, world)
+                res["rep"] = rep
+                rows.append(res)
+                print(json.dumps(res), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", default="2048", help="world sizes, comma-separated")
@@ -537,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the coordinator's liveness bound (its default unless set)")
     ap.add_argument("--live-s", type=float, default=None, help="heartbeats after the barriers (default 2 bounds)")
     ap.add_argument("--ask-connections", type=int, default=256, help="channels the no-template asks share")
+    ap.add_argument("--ask-rate", type=float, default=0.0,
+                    help="no-template: ranks starting per second, in random order (0: all at once)")
     ap.add_argument("--token", default="", help="the coordinator's token (default: none, as its default)")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="bound on the join and on each barrier")
     ap.add_argument("--json", default=None, help="write every run's figures here")
@@ -546,14 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s for s in args.shapes.split(",") if s]
     if set(shapes) - {"template", "no-template"}:
         ap.error("--shapes takes template and/or no-template")
-    rows = []
-    for rep in range(args.reps):
-        for world in (int(n) for n in args.ranks.split(",")):
-            for shape in shapes if rep % 2 == 0 else shapes[::-1]:
-                res = one_run(args, shape, world)
-                res["rep"] = rep
-                rows.append(res)
-                print(json.dumps(res), flush=True)
+    rows = asyncio.run(run_all(args, shapes))
     print()
     print(table(rows))
     if args.json:
