@@ -155,6 +155,7 @@ class Stream:
     async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
         self.call.cancel()
         await self.channel.close()
 
@@ -362,6 +363,7 @@ class Group:
     async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
         for stream in [self.up, *self.own.values()]:
             if stream is not None:
                 await stream.close()

@@ -104,7 +104,8 @@ _STATS: Any = __import__("collections").Counter()
 async def ask(stub: pb_grpc.CoordinatorStub, rank: int, world: int) -> str:
     while True:
         answer = await stub.Join(pb.JoinRequest(job_id=JOB, rank=rank, world_size=world, incarnation=INCARNATION + rank,
-                                                hostname="hop", first_contact=True), timeout=30, wait_for_ready=True)
+                                                hostname="hop", first_contact=True, fanin=world),
+                                 timeout=30, wait_for_ready=True)
         if answer.retry_after_s > 0:
             await asyncio.sleep(answer.retry_after_s)
             continue
@@ -126,9 +127,12 @@ async def hop(args: argparse.Namespace, k: int) -> dict[str, Any]:
         leader = subprocess.Popen([sys.executable, "-c", LEADER, str(port), str(k)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, env=env)
         loop = asyncio.get_running_loop()
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS) as channel:
-            stub = pb_grpc.CoordinatorStub(channel)
-            addresses = await asyncio.gather(*(ask(stub, r, k) for r in range(1, k)))
+        # Why several: one connection carries at most 256 calls at once (the server's stream cap).
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS) for _ in range(1 + k // 128)]
+        stubs = [pb_grpc.CoordinatorStub(c) for c in channels]
+        addresses = await asyncio.gather(*(ask(stubs[r % len(stubs)], r, k) for r in range(1, k)))
+        for channel in channels:
+            await channel.close()
         if len(set(addresses)) != 1 or not addresses[0]:
             raise RuntimeError(f"members were not all sent to one relay: {sorted(set(addresses))[:4]}")
         members = [Member(r, addresses[0], args.heartbeat_timeout_s) for r in range(1, k)]
