@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
-from loadgen import INCARNATION, JOB, OPTIONS, ROOT, SERVE, SLICE_S, Stream, cpu_s, loadavg, progress  # noqa: E402
+from loadgen_wire import INCARNATION, JOB, OPTIONS, ROOT, SERVE, SLICE_S, Stream, cpu_s, loadavg, progress  # noqa: E402
 
 from gridcomm._config import DEFAULT_HEARTBEAT_TIMEOUT_S  # noqa: E402
 from gridcomm._proto import coordinator_pb2 as pb  # noqa: E402
