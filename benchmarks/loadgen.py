@@ -78,6 +78,7 @@ async def simulate(args: argparse.Namespace, shape: str, world: int, port: int, 
     kinds: Counter[str] = Counter()
     pool: list[grpc.aio.Channel] = []
     out: dict[str, Any] = {"shape": shape, "world": world, "fanin": fanin, "relays": len(groups), "ask_rate": args.ask_rate,
+                           "busy": args.busy,
                            "loadavg_start": loadavg()}
     me0, cpu0, t0 = cpu_s(), cpu_s(pid), time.monotonic()
     try:
@@ -110,6 +111,7 @@ async def simulate(args: argparse.Namespace, shape: str, world: int, port: int, 
                    coordinator_cpu_barrier_ms=(cpu2 - cpu1) / args.barriers * 1e3,
                    us_per_barrier_message=(cpu2 - cpu1) / args.barriers / len(groups) * 1e6)
         hb0 = run.stats["sent_heartbeat"]
+        run.busy = args.busy
         await asyncio.sleep(args.live_s)
         cpu3 = cpu_s(pid)
         live_messages = run.stats["sent_heartbeat"] - hb0
@@ -210,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the coordinator's liveness bound (its default unless set)")
     ap.add_argument("--live-s", type=float, default=None, help="heartbeats after the barriers (default 2 bounds)")
     ap.add_argument("--ask-connections", type=int, default=256, help="channels the no-template asks share")
+    ap.add_argument("--busy", action="store_true",
+                    help="in the heartbeat window, every rank's progress changes between two heartbeats (a "
+                         "training rank's does); default: idle, the same after its first report")
     ap.add_argument("--ask-rate", type=float, default=0.0,
                     help="no-template: ranks starting per second, in random order (0: all at once)")
     ap.add_argument("--token", default="", help="the coordinator's token (default: none, as its default)")

@@ -141,6 +141,9 @@ class Run:
         self.joined_at: dict[int, float] = {}
         self.stopping = False
         self.generation = 0
+        #: Whether the ranks are busy: each enters a collective between two heartbeats, so its
+        #: progress changes every time (idle ranks' stays the same after its first report).
+        self.busy = False
 
     def saw(self, beat: pb.HeartbeatResponse) -> None:
         for failure in beat.failures:
@@ -172,6 +175,8 @@ class Group:
         self.opened = 0.0
         self.answers: dict[int, asyncio.Future[None]] = {}
         self.entered = 0
+        #: Collectives entered while the ranks are busy (see Run.busy), counted in their progress.
+        self.collectives = 0
         self.progress_up: dict[int, int] = {}  # rank -> entered, as the coordinator last took it
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -254,7 +259,7 @@ class Group:
         stream = self.own[rank]
         while not self.run.stopping:
             started = time.monotonic()
-            request = pb.HeartbeatRequest(caller=self.caller(rank), wait_s=interval, progress=[progress(self.entered)])
+            request = pb.HeartbeatRequest(caller=self.caller(rank), wait_s=interval, progress=[progress(self.entered + self.collectives)])
             try:
                 result = await asyncio.wait_for(stream.run("heartbeat", request), interval + max(1.0, self.run.bound / 2))
             except asyncio.TimeoutError:
@@ -279,14 +284,16 @@ class Group:
             ranks = list(self.relayed)
             now = time.monotonic()
             ages = [(now + phase[r]) % interval for r in ranks]
-            same = [self.progress_up.get(r) == self.entered for r in ranks]
+            if self.run.busy:
+                self.collectives += 1
+            said = self.entered + self.collectives
+            same = [self.progress_up.get(r) == said for r in ranks]
             request = pb.HeartbeatRequest(caller=self.caller(ranks[0]), wait_s=period, relayed=True,
                                           also_ranks=ranks, also_incarnations=[INCARNATION + r for r in ranks],
                                           also_generations=[self.run.generation] * len(ranks), also_age_s=ages,
-                                          progress=[progress(self.entered, r) for r, s in zip(ranks, same, strict=True) if not s])
+                                          progress=[progress(said, r) for r, s in zip(ranks, same, strict=True) if not s])
             if any(same):
                 request.also_progress_same.extend(same)
-            entered = self.entered
             try:
                 result = await asyncio.wait_for(self.upstream().run("heartbeat", request),
                                                 period + max(1.0, self.run.bound / 2))
@@ -301,7 +308,7 @@ class Group:
                 continue
             for r, s in zip(ranks, same, strict=True):
                 if not s:
-                    self.progress_up[r] = entered
+                    self.progress_up[r] = said
             for r in result.heartbeat.progress_resend:
                 self.progress_up.pop(r, None)
             self.run.saw(result.heartbeat)
