@@ -57,6 +57,7 @@ from loadgen_wire import (  # noqa: E402
     status_mb,
 )
 
+from gridcomm._client.directed import start_delay_s  # noqa: E402
 from gridcomm._config import DEFAULT_HEARTBEAT_TIMEOUT_S, auto_relay_fanin  # noqa: E402
 from gridcomm._proto import coordinator_pb2 as pb  # noqa: E402
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc  # noqa: E402
@@ -77,7 +78,7 @@ async def simulate(args: argparse.Namespace, shape: str, world: int, port: int, 
     meter_task = asyncio.ensure_future(meter())
     kinds: Counter[str] = Counter()
     pool: list[grpc.aio.Channel] = []
-    out: dict[str, Any] = {"shape": shape, "world": world, "fanin": fanin, "relays": len(groups), "ask_rate": args.ask_rate,
+    out: dict[str, Any] = {"shape": shape, "world": world, "fanin": fanin, "relays": len(groups), "ask_rate": args.ask_rate, "paced": args.paced,
                            "busy": args.busy,
                            "loadavg_start": loadavg()}
     me0, cpu0, t0 = cpu_s(), cpu_s(pid), time.monotonic()
@@ -91,7 +92,11 @@ async def simulate(args: argparse.Namespace, shape: str, world: int, port: int, 
             order = list(range(world))
             random.Random(world).shuffle(order)  # ranks start in no particular order
             rate = args.ask_rate or float("inf")
-            joins = [ask_and_join(run, groups[r // fanin], r, stubs[i % len(stubs)], kinds, i / rate)
+            if args.paced:  # as gridcomm's ranks start: leaders ask at once, members spread
+                delays = [0.0 if r % fanin == 0 else start_delay_s(world) for r in order]
+            else:
+                delays = [i / rate for i in range(len(order))]
+            joins = [ask_and_join(run, groups[r // fanin], r, stubs[i % len(stubs)], kinds, delays[i])
                      for i, r in enumerate(order)]
         await asyncio.wait_for(asyncio.gather(*joins), args.timeout_s)
         t1 = max(run.joined_at.values()) - t0
@@ -217,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                          "training rank's does); default: idle, the same after its first report")
     ap.add_argument("--ask-rate", type=float, default=0.0,
                     help="no-template: ranks starting per second, in random order (0: all at once)")
+    ap.add_argument("--paced", action="store_true",
+                    help="no-template: start as gridcomm's ranks do (leaders ask at once, members after "
+                         "gridcomm._client.directed.start_delay_s); overrides --ask-rate")
     ap.add_argument("--token", default="", help="the coordinator's token (default: none, as its default)")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="bound on the join and on each barrier")
     ap.add_argument("--json", default=None, help="write every run's figures here")

@@ -194,3 +194,16 @@ def test_a_rank_that_guessed_it_leads_stops_its_relay_when_the_coordinator_group
     assert {r for r, v in out.items() if v["hosts"]} == {0, 4}, out
     assert {r for r, v in out.items() if v["through"] == "relay"} == {1, 2, 3, 5, 6, 7}, out
     assert not server.state.failures
+
+
+def test_a_large_jobs_members_spread_their_first_asks_and_a_small_jobs_do_not():
+    """Up to 4,096 ranks every member asks at once; above, the members' first asks are spread
+    uniformly so that a job started at once asks at about 4,000 a second (65,536 ranks: over
+    (65,536 - 4,096) / 4,000 = 15.36 s). Leaders are not delayed (they name their relay)."""
+    from gridcomm._client.directed import start_delay_s
+
+    assert {start_delay_s(n) for n in (2, 256, 2048, 4096) for _ in range(50)} == {0.0}
+    draws = [start_delay_s(65_536) for _ in range(400)]
+    assert all(0.0 <= d <= 15.36 for d in draws), max(draws)
+    assert max(draws) > 12.0 and min(draws) < 3.0, (min(draws), max(draws))
+    assert max(start_delay_s(8192) for _ in range(400)) <= 1.024

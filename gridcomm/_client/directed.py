@@ -31,6 +31,20 @@ ASK_TIMEOUT_S = 10.0
 #: The pause after an ask that got no answer, doubled each time up to the maximum, with jitter.
 ASK_BACKOFF_S = 0.2
 ASK_BACKOFF_MAX_S = 2.0
+#: How many ranks of a job may ask at once unpaced (about what a listen queue and the coordinator
+#: take in one burst), and the rate the first asks of a larger job's members are spread at (the
+#: coordinator answers about 5,000 asks a second on one core). Why pace: asks sent faster than the
+#: coordinator answers wait in its queue, each holding a call and a connection there (~10-13 KB),
+#: time out and come again; spread, they are answered as they come.
+PACE_FREE = 4096
+PACE_RATE = 4000.0
+
+
+def start_delay_s(world_size: int) -> float:
+    """How long a member of a job of ``world_size`` ranks waits before its first ask: uniform over
+    the spread its job's size needs (none up to :data:`PACE_FREE` ranks; 15 s at 65,536). A
+    leader asks at once, so that its members find its relay registered when they ask."""
+    return random.random() * max(0, world_size - PACE_FREE) / PACE_RATE
 
 
 def jittered(seconds: float) -> float:
@@ -98,6 +112,8 @@ def _ask(client: Any, asker: Asker, until: float, relay_address: str) -> pb.Join
     what = f"rank {client.rank}: first contact"
     backoff = ASK_BACKOFF_S
     asks = 0
+    if not relay_address:  # a member (a leader names its relay, and asks at once)
+        time.sleep(min(max(0.0, until - time.monotonic()), start_delay_s(client.world_size)))
     while (left := until - time.monotonic()) > 0:
         request = pb.JoinRequest(job_id=client.job_id, rank=client.rank, world_size=client.world_size,
                                  incarnation=client.incarnation, hostname=client.hostname, first_contact=True,
