@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
+from gridcomm._client.directed import jittered  # noqa: E402
 from gridcomm._proto import coordinator_pb2 as pb  # noqa: E402
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -344,10 +345,6 @@ class Group:
         for stream in [self.up, *self.own.values()]:
             if stream is not None:
                 await stream.close()
-
-
-def jittered(seconds: float) -> float:
-    return seconds * (0.5 + random.random())
 
 
 async def ask_and_join(run: Run, group: Group, rank: int, stub: pb_grpc.CoordinatorStub, kinds: Counter[str],

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
+from loadgen_wire import cpu_s  # noqa: E402
 
 from gridcomm._proto import coordinator_pb2 as pb  # noqa: E402
 
@@ -37,12 +38,6 @@ server = gridcomm.Coordinator(int(sys.argv[1]), bind="127.0.0.1", port=0).start(
 print(server.port, flush=True)
 sys.stdin.read()
 """
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class FakeRelay:

@@ -72,9 +72,9 @@ CompactResult = tuple[int, int, str]
 def refused_result(op_id: int, name: str, exc: Exception) -> tuple[grpc.StatusCode, pb.SessionResult | CompactResult]:
     """What a Session stream answers for an operation refused or failed (before or while it
     runs): the status :func:`refuse` would end its unary call with, as a result of the stream,
-    and its code. Why a tuple when there are no trailers: a message of its own costs ~1 KB, and
-    one burst of 131,072 operations refused at once held +70 MB of them while being written;
-    the reply's result built from it (see gridcomm._coordinator.session) is the same bytes."""
+    and its code. Why a tuple when there are no trailers: a message of its own costs ~1 KB, and a
+    burst of refusals would hold one each until written; the reply's result built from it (see
+    gridcomm._coordinator.session) is the same bytes."""
     code, text, metadata = status_of(name, exc)
     if not metadata:
         return code, (op_id, code.value[0], text)

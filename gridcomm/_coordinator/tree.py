@@ -2,7 +2,8 @@
 
 A rank of the tree that does not know its relay's address (no GRIDCOMM_RELAY_ADDRESSES: Slurm,
 bare metal, a launcher of the user's own) first asks the coordinator where to join
-(``JoinRequest.first_contact``). The answer comes at once, and nothing is registered or held:
+(``JoinRequest.first_contact``). The answer comes at once, or, for a member whose leader has not
+asked yet, when that leader asks (at most :data:`HOLD_S` later):
 
 - "you lead" (``host_relay``): the rank hosts its group's relay, then joins the coordinator with
   the relay's address, as a leader with a template does. A rank that expects to lead (its own
@@ -75,8 +76,8 @@ class Tree:
         self._sent: dict[int, int] = {}
         #: Ranks told where to join (lead, relay or directly), each counted once.
         self._settled: set[int] = set()
-        #: leader -> (incarnation, address) of the relay it named in its first contact.
-        self._announced: dict[int, tuple[int, str]] = {}
+        #: leader -> the address of the relay it named in its first contact.
+        self._announced: dict[int, str] = {}
         #: The longest a first contact is held for its leader (HOLD_S).
         self.hold_s = HOLD_S
         #: leader -> set when it asks or joins: the held first contacts of its group look again.
@@ -126,7 +127,7 @@ class Tree:
                 problem = address_problem(request.relay_address)
                 if problem is not None:
                     raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"first contact of rank {rank}: {problem}")
-                self._announced[leader] = (request.incarnation, request.relay_address)
+                self._announced[leader] = request.relay_address
             return self._settle(rank, "lead", answer)
         # Once the leader has joined, only the relay its join registered stands.
         address = relay_at(leader) or ("" if leader_joined(leader) else self.announced(leader))
@@ -159,8 +160,7 @@ class Tree:
         before the leader's own join: its members join through the relay, whose one aggregate
         waits at the coordinator; a leader that dies first leaves them a relay that does not
         answer, and they join the coordinator directly after their relay grace."""
-        entry = self._announced.get(leader)
-        return entry[1] if entry is not None else ""
+        return self._announced.get(leader, "")
 
     def _settle(self, rank: int, kind: str, answer: pb.JoinResponse) -> tuple[str, pb.JoinResponse]:
         self._settled.add(rank)

@@ -15,7 +15,7 @@ import grpc
 from gridcomm._coordinator.answers import Abort, bounded
 from gridcomm._coordinator.rpc.base import Operations, log
 from gridcomm._coordinator.state import REBUILD, SHRINK, StateError, process_tag
-from gridcomm._coordinator.tree import Tree
+from gridcomm._coordinator.tree import Tree, address_problem
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._wire import MISSING_KEY, ranks_text, shown_generation
 
@@ -47,9 +47,8 @@ class JoinOps(Operations):
         mode = _MODES[request.recovery]
         base = request.generation
         address = request.relay_address
-        if address and (len(address) > 300 or ":" not in address or any(c.isspace() for c in address)):
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"join of rank {request.rank}: relay address "
-                        f"{address[:80]!r} is not HOST:PORT.")
+        if address and (problem := address_problem(address)) is not None:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"join of rank {request.rank}: {problem}")
         completed = await self._enter(request, base, mode, deadline)
         if address:
             self._relays[request.rank] = (request.incarnation, address)
