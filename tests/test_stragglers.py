@@ -27,13 +27,18 @@ import gridcomm
 
 rank = int(os.environ["GRIDCOMM_RANK"]); world = int(os.environ["GRIDCOMM_WORLD_SIZE"])
 comm = gridcomm.init_process_group(world, rank, backend="host", timeout_s=60)
-x = np.ones(16)
+x = np.zeros(16)
 stop = os.environ["STOP_FILE"]
 steps = 0
-while not os.path.exists(stop) and steps < 4000:
+while steps < 4000:
     time.sleep(0.01 + (0.04 if rank == int(os.environ["SLOW_RANK"]) else 0.0))  # the step's own work
+    # The stop is agreed in the all_reduce itself: a rank that checked the file a moment after the
+    # others would otherwise run one all_reduce more than they do while they wait in the barrier.
+    x[0] = float(os.path.exists(stop))
     comm.all_reduce(x, x, op="max")
     steps += 1
+    if x[0] > 0:
+        break
 comm.barrier("end")
 print("DONE", steps, flush=True)
 comm.stop()
