@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 
 from gridcomm import _config
+from gridcomm._runtime import loop as _eventloop
 from gridcomm._wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, SERVICE_NAME
 
 _SERVICE_CONFIG = json.dumps(
@@ -109,5 +110,8 @@ def make_aio_channel(target: str, tls: _config.TlsFiles | None, retries: bool = 
     """An asyncio channel (on the background loop) with the same options and credentials;
     ``relay``: to a relay (see RELAY_RECONNECT_MAX_MS)."""
     if tls is None:
-        return grpc.aio.insecure_channel(target, options=channel_options(retries, relay=relay))
-    return grpc.aio.secure_channel(target, channel_credentials(tls), options=secure_options(tls, retries, relay))
+        channel = grpc.aio.insecure_channel(target, options=channel_options(retries, relay=relay))
+    else:
+        channel = grpc.aio.secure_channel(target, channel_credentials(tls), options=secure_options(tls, retries, relay))
+    _eventloop.closes_at_exit(channel)
+    return channel

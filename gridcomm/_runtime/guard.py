@@ -55,7 +55,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from gridcomm._runtime import loop as _eventloop
 from gridcomm._runtime.admission import HEALTH_MAX_CONNECTIONS, Admission
+from gridcomm._runtime.loop import SERVER_STOP_TASK
 from gridcomm._wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES
 
 log = logging.getLogger(__name__)
@@ -343,6 +345,8 @@ class GuardedServer:
         self._watchdog = asyncio.ensure_future(self._watch())
         if self.admission is not None:
             self.admission.start(lambda: self.port)
+        if asyncio.get_running_loop() is _eventloop.current():
+            _eventloop.stops_at_exit(self)
         return port
 
     async def _watch(self) -> None:
@@ -371,6 +375,7 @@ class GuardedServer:
         stopping = self._stops.get(id(server))
         if stopping is None:
             stopping = asyncio.ensure_future(server.stop(grace_s))
+            stopping.set_name(SERVER_STOP_TASK)
             self._stops[id(server)] = stopping
             stopping.add_done_callback(lambda _: self._stops.pop(id(server), None))
         return asyncio.shield(stopping)

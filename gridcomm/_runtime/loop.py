@@ -14,6 +14,7 @@ import concurrent.futures
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Coroutine
 from typing import Any
 
@@ -28,6 +29,13 @@ _loop: asyncio.AbstractEventLoop | None = None
 _pid = 0
 #: The loop's thread (a blocking call made on it would wait for itself).
 _thread_id = 0
+_thread: threading.Thread | None = None
+#: What serves or dials on the loop, wound down in order at exit (see _shutdown): servers (anything
+#: with ``async stop(grace_s)``) and channels (``async close()``).
+_servers: weakref.WeakSet[Any] = weakref.WeakSet()
+_channels: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Names the tasks that stop a grpc.aio server: never cancelled at exit (see _shutdown).
+SERVER_STOP_TASK = "gridcomm-server-stop"
 
 
 def loop() -> asyncio.AbstractEventLoop:
@@ -46,10 +54,14 @@ def loop() -> asyncio.AbstractEventLoop:
                 new.call_soon(ready.set)
                 new.run_forever()
 
-            threading.Thread(target=run, name="gridcomm-loop", daemon=True).start()
+            thread = threading.Thread(target=run, name="gridcomm-loop", daemon=True)
+            thread.start()
             if not ready.wait(10.0):
                 raise GridcommError("the gridcomm background thread did not start within 10 s.")
-            _loop, _pid = new, os.getpid()
+            global _thread
+            _loop, _pid, _thread = new, os.getpid(), thread
+            _servers.clear()
+            _channels.clear()
             global _lag, _lag_task
             _lag = LagMeter()
             _lag_task = asyncio.run_coroutine_threadsafe(_measure(_lag), new)
@@ -102,25 +114,50 @@ def on_loop_thread() -> bool:
     return threading.get_ident() == _thread_id and current() is not None
 
 
+def stops_at_exit(server: Any) -> None:
+    """``server`` (serving on the process-wide loop, with ``async stop(grace_s)``) is stopped at exit
+    if it still serves then."""
+    _servers.add(server)
+
+
+def closes_at_exit(channel: Any) -> None:
+    """``channel`` (a grpc.aio channel used on the process-wide loop) is closed at exit if still open."""
+    _channels.add(channel)
+
+
 def _shutdown() -> None:
-    """At exit: end watchers, streams and health servers properly (bounded), so the interpreter
-    does not freeze this thread mid-call with connections still open."""
+    """At exit, in this order, bounded: stop the servers that still serve (a relay waiting for its
+    group to leave), close the channels, cancel what is left, stop the loop and wait for its thread.
+    Why the order and the wait: a grpc.aio server whose stop was cancelled half-way, or a loop still
+    running gRPC code while the interpreter finalizes, crashes the process in grpcio's core
+    (SIGSEGV after the program's last line); so a server's stop is never cancelled, and the
+    interpreter goes on only once the loop's thread has returned."""
     running = current()
     if running is None:
         return
 
-    async def cancel_all() -> None:
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    async def wind_down() -> None:
+        stops = [asyncio.ensure_future(server.stop(0)) for server in list(_servers)]
+        if stops:
+            await asyncio.wait(stops, timeout=2.0)
+        closes = [asyncio.ensure_future(channel.close()) for channel in list(_channels)]
+        if closes:
+            await asyncio.wait(closes, timeout=1.0)
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()
+                 and t.get_name() != SERVER_STOP_TASK]
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=2.0)
 
     try:
-        asyncio.run_coroutine_threadsafe(cancel_all(), running).result(3.0)
+        asyncio.run_coroutine_threadsafe(wind_down(), running).result(6.0)
     except Exception:  # noqa: BLE001 - best effort at exit
         pass
     running.call_soon_threadsafe(running.stop)
+    thread = _thread
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(3.0)
 
 
 def submit(coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
