@@ -207,3 +207,33 @@ def test_a_large_jobs_members_spread_their_first_asks_and_a_small_jobs_do_not():
     assert all(0.0 <= d <= 15.36 for d in draws), max(draws)
     assert max(draws) > 12.0 and min(draws) < 3.0, (min(draws), max(draws))
     assert max(start_delay_s(8192) for _ in range(400)) <= 1.024
+
+
+@pytest.mark.timeout(60)
+def test_in_a_large_job_a_leader_asks_at_once_and_a_member_waits_its_turn(coordinator_factory, monkeypatch):
+    """65,536 ranks: a member draws its first ask's delay from 0 to 15.36 s (here pinned to the
+    top of the range), a leader (it names the relay it hosts) asks at once, so that its members
+    find its relay when they ask. Real coordinator; the asks are the client's own."""
+    import time
+
+    import gridcomm
+    from gridcomm._client import directed
+
+    world = 65_536
+    server = coordinator_factory(world, token=TOKEN)
+    monkeypatch.setattr(directed.random, "random", lambda: 0.99)
+    monkeypatch.setenv("GRIDCOMM_TOKEN", TOKEN)
+    monkeypatch.setenv("GRIDCOMM_RELAY_FANIN", "4")
+    leader = gridcomm.CoordinatorClient("127.0.0.1", server.port, 4, world, timeout_s=30)
+    member = gridcomm.CoordinatorClient("127.0.0.1", server.port, 5, world, timeout_s=30)
+    try:
+        # Within a grace far shorter than the member's drawn delay (15.2 s): the leader is directed
+        # (it hosts its group's relay), the member has not asked by then.
+        answer = directed.ask(leader, time.monotonic() + 8.0, relay_address="127.0.0.1:1")
+        assert answer is not None and answer.host_relay and answer.leader == 4, answer
+        assert directed.ask(member, time.monotonic() + 2.0) is None
+        assert server._servicer.metrics.first_contacts["lead"] == 1, dict(server._servicer.metrics.first_contacts)
+        assert sum(server._servicer.metrics.first_contacts.values()) == 1, dict(server._servicer.metrics.first_contacts)
+    finally:
+        leader.close()
+        member.close()
