@@ -8,9 +8,9 @@ loop, speaking the real proto (gridcomm._proto only), as the relay tree puts the
   ranks, K the fan-in ``auto`` picks at N. Each group's leader joins on a Session stream of its own,
   naming its relay's address, and heartbeats there every bound / 3 (held for that long), as a
   rank's watcher does; its relay (another connection) sends the members' first joins as one
-  aggregate (``JoinRequest.also``), a heartbeat for its members every bound / 6 (packed ages,
-  progress in full once and then flagged as the same, as an idle rank's is), and each barrier as
-  one aggregate naming all K ranks (``also_ranks``), the leader's own arrival included.
+  aggregate (``SessionOp.aggregate``), a heartbeat for its members every bound / 6 (each rank's
+  age, progress in full once and then flagged as the same, as an idle rank's is), and each barrier
+  as one aggregate naming all K ranks, the leader's own arrival included.
 - ``no-template`` (Slurm, bare metal): each rank first asks the coordinator where to join
   (``first_contact``), honouring "come back in t" with the client's jitter; a leader names its
   relay's address in its ask. Then the members join through their relay, which holds a group's

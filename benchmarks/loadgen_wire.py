@@ -21,6 +21,7 @@ import grpc  # noqa: E402
 from gridcomm._client.directed import jittered  # noqa: E402
 from gridcomm._proto import coordinator_pb2 as pb  # noqa: E402
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc  # noqa: E402
+from gridcomm._wire import WIRE  # noqa: E402
 
 JOB = "default"
 DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
@@ -91,11 +92,11 @@ class Stream:
         self.tasks = (asyncio.ensure_future(self._write()), asyncio.ensure_future(self._read()))
         stats["connections"] += 1
 
-    def run(self, kind: str, request: Any) -> asyncio.Future[pb.SessionResult]:
+    def run(self, kind: str, request: Any, aggregate: pb.Aggregate | None = None) -> asyncio.Future[pb.SessionResult]:
         self.next_id += 1
         future: asyncio.Future[pb.SessionResult] = asyncio.get_running_loop().create_future()
         self.waiting[self.next_id] = future
-        self.outbox.append(pb.SessionOp(id=self.next_id, **{kind: request}))
+        self.outbox.append(pb.SessionOp(id=self.next_id, aggregate=aggregate, **{kind: request}))
         self.stats[f"sent_{kind}"] += 1
         self.has_work.set()
         return future
@@ -200,7 +201,7 @@ class Group:
         wants = rank != self.leader
         while True:
             request = pb.JoinRequest(job_id=JOB, rank=rank, world_size=self.run.world, incarnation=INCARNATION + rank,
-                                     hostname="loadgen", wait_s=SLICE_S, relay_address=relay_address,
+                                     hostname="loadgen", wait_s=SLICE_S, relay_address=relay_address, wire=WIRE,
                                      wants_relay=wants, relay_rank=self.leader if wants else 0)
             result = await stream.run("join", request)
             if result.code == DEADLINE:
@@ -231,12 +232,13 @@ class Group:
         self.tasks.append(asyncio.ensure_future(self.aggregate_join(ranks)))
 
     async def aggregate_join(self, ranks: list[int]) -> None:
-        joiners = [pb.Joiner(rank=r, incarnation=INCARNATION + r, hostname="loadgen") for r in ranks[1:]]
+        aggregate = pb.Aggregate(ranks=[pb.RelayedRank(rank=r, incarnation=INCARNATION + r, hostname="loadgen")
+                                        for r in ranks[1:]]) if len(ranks) > 1 else None
         while True:
             request = pb.JoinRequest(job_id=JOB, rank=ranks[0], world_size=self.run.world,
                                      incarnation=INCARNATION + ranks[0], hostname="loadgen", wait_s=SLICE_S,
-                                     wants_relay=True, relay_rank=self.leader, also=joiners)
-            result = await self.upstream().run("join", request)
+                                     wants_relay=True, relay_rank=self.leader, wire=WIRE)
+            result = await self.upstream().run("join", request, aggregate)
             if result.code == DEADLINE:
                 continue  # every rank's slice ended: each asks again, and they go up together
             if result.code:
@@ -289,14 +291,14 @@ class Group:
                 self.collectives += 1
             said = self.entered + self.collectives
             same = [self.progress_up.get(r) == said for r in ranks]
-            request = pb.HeartbeatRequest(caller=self.caller(ranks[0]), wait_s=period, relayed=True,
-                                          also_ranks=ranks, also_incarnations=[INCARNATION + r for r in ranks],
-                                          also_generations=[self.run.generation] * len(ranks), also_age_s=ages,
+            request = pb.HeartbeatRequest(caller=self.caller(ranks[0]), wait_s=period,
                                           progress=[progress(said, r) for r, s in zip(ranks, same, strict=True) if not s])
-            if any(same):
-                request.also_progress_same.extend(same)
+            generation = self.run.generation
+            aggregate = pb.Aggregate(ranks=[
+                pb.RelayedRank(rank=r, incarnation=INCARNATION + r, generation=generation, age_s=age, progress_same=s)
+                for r, age, s in zip(ranks, ages, same, strict=True)])
             try:
-                result = await asyncio.wait_for(self.upstream().run("heartbeat", request),
+                result = await asyncio.wait_for(self.upstream().run("heartbeat", request, aggregate),
                                                 period + max(1.0, self.run.bound / 2))
             except asyncio.TimeoutError:
                 self.run.stats["heartbeat_timeouts"] += 1
@@ -310,7 +312,7 @@ class Group:
             for r, s in zip(ranks, same, strict=True):
                 if not s:
                     self.progress_up[r] = said
-            for r in result.heartbeat.progress_resend:
+            for r in result.aggregate.progress_resend:
                 self.progress_up.pop(r, None)
             self.run.saw(result.heartbeat)
             if result.heartbeat.failures:
@@ -329,9 +331,10 @@ class Group:
     async def _arrive(self, stream: Stream, ranks: list[int]) -> None:
         seq = self.entered + 1
         while True:
-            request = pb.BarrierRequest(caller=self.caller(ranks[0]), name="loadgen", seq=seq, wait_s=SLICE_S,
-                                        also_ranks=ranks[1:], also_incarnations=[INCARNATION + r for r in ranks[1:]])
-            result = await stream.run("barrier", request)
+            request = pb.BarrierRequest(caller=self.caller(ranks[0]), name="loadgen", seq=seq, wait_s=SLICE_S)
+            aggregate = pb.Aggregate(ranks=[pb.RelayedRank(rank=r, incarnation=INCARNATION + r)
+                                            for r in ranks[1:]]) if len(ranks) > 1 else None
+            result = await stream.run("barrier", request, aggregate)
             if result.code == DEADLINE:
                 continue
             if result.code:
@@ -356,7 +359,7 @@ async def ask_and_join(run: Run, group: Group, rank: int, stub: pb_grpc.Coordina
     backoff = 0.2
     while True:
         request = pb.JoinRequest(job_id=JOB, rank=rank, world_size=run.world, incarnation=INCARNATION + rank,
-                                 hostname="loadgen", first_contact=True, fanin=0,
+                                 hostname="loadgen", first_contact=True, fanin=0, wire=WIRE,
                                  relay_address=group.address if leader else "")
         kinds["asks"] += 1
         try:

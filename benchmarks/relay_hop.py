@@ -35,6 +35,7 @@ from loadgen_wire import INCARNATION, JOB, OPTIONS, ROOT, SERVE, SLICE_S, Stream
 from gridcomm._config import DEFAULT_HEARTBEAT_TIMEOUT_S  # noqa: E402
 from gridcomm._proto import coordinator_pb2 as pb  # noqa: E402
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc  # noqa: E402
+from gridcomm._wire import WIRE  # noqa: E402
 
 LEADER = """
 import sys, gridcomm
@@ -64,7 +65,7 @@ class Member:
     async def join(self, world: int) -> None:
         while True:
             request = pb.JoinRequest(job_id=JOB, rank=self.rank, world_size=world, incarnation=INCARNATION + self.rank,
-                                     hostname="hop", wait_s=SLICE_S, wants_relay=True, relay_rank=0)
+                                     hostname="hop", wait_s=SLICE_S, wants_relay=True, relay_rank=0, wire=WIRE)
             result = await self.stream.run("join", request)
             if result.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]:
                 continue
@@ -104,7 +105,7 @@ _STATS: Any = __import__("collections").Counter()
 async def ask(stub: pb_grpc.CoordinatorStub, rank: int, world: int) -> str:
     while True:
         answer = await stub.Join(pb.JoinRequest(job_id=JOB, rank=rank, world_size=world, incarnation=INCARNATION + rank,
-                                                hostname="hop", first_contact=True, fanin=world),
+                                                hostname="hop", first_contact=True, fanin=world, wire=WIRE),
                                  timeout=30, wait_for_ready=True)
         if answer.retry_after_s > 0:
             await asyncio.sleep(answer.retry_after_s)

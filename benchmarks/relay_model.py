@@ -2,7 +2,7 @@
 
 A coordinator runs in a process of its own; R relay streams (threads of this process, each its own
 connection, as R relays are) each speak for K ranks: the K joins go up in one message, then B
-barriers, each one operation naming all K ranks (BarrierRequest.also_ranks), as a relay sends them.
+barriers, each one operation naming all K ranks (SessionOp.aggregate), as a relay sends them.
 The coordinator's CPU time (from /proc) over the barriers, divided by R x B, is its cost per
 aggregated barrier message; runs at several K and R separate the per-message part from the
 per-rank part (cost = a + b x K), which BENCHMARKS.md uses to model a 100,000-rank job.
@@ -31,6 +31,7 @@ import grpc  # noqa: E402
 from loadgen_wire import cpu_s  # noqa: E402
 
 from gridcomm._proto import coordinator_pb2 as pb  # noqa: E402
+from gridcomm._wire import WIRE  # noqa: E402
 
 SERVE = """
 import sys, gridcomm
@@ -62,7 +63,8 @@ class FakeRelay:
 
     def join(self) -> None:
         ops = [pb.SessionOp(id=i + 1, join=pb.JoinRequest(job_id="default", rank=r, world_size=self.world,
-                                                          incarnation=1000 + r, hostname="bench", wait_s=120))
+                                                          incarnation=1000 + r, hostname="bench", wait_s=120,
+                                                          wire=WIRE))
                for i, r in enumerate(self.ranks)]
         self.requests.put(pb.SessionRequest(ops=ops))
         results = self.results(len(ops))
@@ -74,10 +76,10 @@ class FakeRelay:
                         for r in self.ranks]
 
     def barrier(self, seq: int) -> None:
-        request = pb.BarrierRequest(caller=self.callers[0], name="model", seq=seq, wait_s=120,
-                                    also_ranks=[c.rank for c in self.callers[1:]],
-                                    also_incarnations=[c.incarnation for c in self.callers[1:]])
-        self.requests.put(pb.SessionRequest(ops=[pb.SessionOp(id=1000 + seq, barrier=request)]))
+        request = pb.BarrierRequest(caller=self.callers[0], name="model", seq=seq, wait_s=120)
+        aggregate = pb.Aggregate(ranks=[pb.RelayedRank(rank=c.rank, incarnation=c.incarnation)
+                                        for c in self.callers[1:]])
+        self.requests.put(pb.SessionRequest(ops=[pb.SessionOp(id=1000 + seq, barrier=request, aggregate=aggregate)]))
         result = self.results(1)[0]
         if result.code:
             raise RuntimeError(f"barrier refused: {result.details}")

@@ -35,6 +35,35 @@ FAILED_CAUSE_KEY = "gridcomm-failed-cause"
 #: says it joined: the coordinator restarted and lost the job (CoordinatorRestarted, not ConfigError).
 RESTARTED_KEY = "gridcomm-coordinator-restarted"
 
+#: The wire form this gridcomm speaks (JoinRequest.wire, JoinResponse.wire): what its messages
+#: mean beyond their field numbers (a relay's aggregate rides on SessionOp.aggregate). A join or
+#: first contact of another form is refused, and a client refuses an answer of another, so mixed
+#: versions fail at the join with a message instead of misreading each other. 0: a gridcomm that
+#: predates the number.
+WIRE = 2
+
+
+def _older(wire: int) -> str:
+    return " (a gridcomm older than the wire form's number)" if wire == 0 else ""
+
+
+def wire_refusal(theirs: int, server: str = "the coordinator") -> str | None:
+    """Why a server (the coordinator, or a relay) refuses a join or first contact whose wire form
+    is ``theirs`` (None: it is this one's)."""
+    if theirs == WIRE:
+        return None
+    return (f"this rank runs a gridcomm whose wire form is {theirs}{_older(theirs)}; {server}'s is {WIRE}: run the "
+            "same gridcomm version on every rank and the coordinator.")
+
+
+def wire_mismatch(theirs: int, target: str) -> str | None:
+    """Why a rank refuses a join's answer in wire form ``theirs`` from ``target`` (None: it is this one's)."""
+    if theirs == WIRE:
+        return None
+    return (f"the coordinator at {target} runs a gridcomm whose wire form is {theirs}{_older(theirs)}; this rank's is "
+            f"{WIRE}: run the same gridcomm version on every rank and the coordinator.")
+
+
 #: A key's value larger than this travels in pieces of this size.
 CHUNK_BYTES = 1024 * 1024
 #: Largest request message the coordinator reads: a chunk plus framing. Why not more: health

@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 import gridcomm
+from gridcomm._wire import WIRE
 from tests.support.procs import RankProcesses, assert_all_ok, report, wait_for
 
 RANK_CLIENT = """
@@ -157,7 +158,7 @@ def test_rank_out_of_range_is_rejected(coordinator_factory):
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         with pytest.raises(grpc.RpcError) as info:
             pb_grpc.CoordinatorStub(channel).Join(
-                pb.JoinRequest(job_id="default", rank=7, world_size=2, incarnation=1, wait_s=1), timeout=5)
+                pb.JoinRequest(wire=WIRE, job_id="default", rank=7, world_size=2, incarnation=1, wait_s=1), timeout=5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "rank 7 is out of range for world size 2" in info.value.details()
 
@@ -411,11 +412,11 @@ def test_status_carries_refused_joins_within_the_metadata_limit_whatever_their_h
     stub = pb_grpc.CoordinatorStub(channel)
     host = "\U0001f600" * 64  # 256 bytes, the limit; 12 escaped bytes per character
     with pytest.raises(grpc.RpcError):  # rank 0 waits for rank 1 (its join's wait ends first)
-        stub.Join(pb.JoinRequest(job_id=server.job_id, rank=0, world_size=2, incarnation=1, hostname=host,
+        stub.Join(pb.JoinRequest(wire=WIRE, job_id=server.job_id, rank=0, world_size=2, incarnation=1, hostname=host,
                                  wait_s=0.1), timeout=10)
     for i in range(12):
         with pytest.raises(grpc.RpcError):  # a second process for rank 0: refused, naming the holder's host
-            stub.Join(pb.JoinRequest(job_id=server.job_id, rank=0, world_size=2, incarnation=2 + i,
+            stub.Join(pb.JoinRequest(wire=WIRE, job_id=server.job_id, rank=0, world_size=2, incarnation=2 + i,
                                      hostname=host, wait_s=0.1), timeout=10)
     reply, call = stub.Status.with_call(pb.StatusRequest(), timeout=10)
     trailer = dict(call.trailing_metadata())["gridcomm-refused-joins"]
@@ -474,14 +475,16 @@ def test_a_leave_does_not_wake_the_held_heartbeats(coordinator_factory, tmp_path
 
 @pytest.mark.timeout(60)
 def test_an_aggregate_naming_a_caller_the_coordinator_would_refuse_is_refused_whole(coordinator_factory):
-    """A relay's aggregate (a barrier or get whose ``also_ranks`` name more ranks, each with its
-    process) is checked rank by rank as each rank's own call would be: a stranger, a rank of
-    another process, a rank that left, arrays that do not line up, or more ranks than the job
-    has are refused with a readable status, as is an aggregate of another job or generation (its
-    caller's); no arrival of a refused aggregate completes a barrier, and the coordinator goes on
-    serving a good aggregate and the ranks' own calls."""
+    """A relay's aggregate (a barrier or get on a Session stream whose ``SessionOp.aggregate``
+    names more ranks, each with its process) is checked rank by rank as each rank's own call would
+    be: a stranger, a rank of another process, a rank that left, lost ranks (a heartbeat's), or
+    more ranks than the job has are refused with a readable status, as is an aggregate of another
+    job or generation (its caller's), and an aggregate on an operation that takes none; no arrival
+    of a refused aggregate completes a barrier, and the coordinator goes on serving a good
+    aggregate and the ranks' own calls."""
     from gridcomm._proto import coordinator_pb2 as pb
     from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+    from tests.support.relayed import aggregate_of, relayed
 
     world = 4
     server = coordinator_factory(world)
@@ -495,18 +498,19 @@ def test_an_aggregate_naming_a_caller_the_coordinator_would_refuse_is_refused_wh
             setattr(other, field, value)
         return other
 
-    def also(*others: pb.Caller) -> dict[str, list[int]]:
-        return {"also_ranks": [c.rank for c in others], "also_incarnations": [c.incarnation for c in others]}
+    def also(*others: pb.Caller) -> pb.Aggregate:
+        return aggregate_of(*others)
 
     bad = {
         "a rank out of range": (callers[0], also(callers[1], with_(callers[1], rank=world + 3), callers[3]),
                                 grpc.StatusCode.INVALID_ARGUMENT, "rank"),
         "another process": (callers[0], also(callers[1], with_(callers[2], incarnation=callers[2].incarnation + 1)),
                             grpc.StatusCode.FAILED_PRECONDITION, "as process"),
-        "arrays that do not line up": (callers[0], {"also_ranks": [1, 2], "also_incarnations": [callers[1].incarnation]},
-                                       grpc.StatusCode.INVALID_ARGUMENT, "names 1 processes"),
+        "lost ranks": (callers[0],
+                       aggregate_of(callers[1], lost=[pb.RelayedRank(rank=2, incarnation=callers[2].incarnation)]),
+                       grpc.StatusCode.INVALID_ARGUMENT, "names lost ranks"),
         "more ranks than the job": (callers[0], also(*[callers[1]] * (world + 1)), grpc.StatusCode.INVALID_ARGUMENT,
-                                    "no more ranks than the job's"),
+                                    "more than the job's"),
         "another job": (with_(callers[0], job_id="someone-else"), also(callers[1]), None, "someone-else"),
         "another generation": (with_(callers[0], generation=callers[0].generation + 5), also(callers[1]),
                                grpc.StatusCode.FAILED_PRECONDITION, "rejoin first"),
@@ -514,27 +518,32 @@ def test_an_aggregate_naming_a_caller_the_coordinator_would_refuse_is_refused_wh
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.CoordinatorStub(channel)
         for what, (caller, others, code, words) in bad.items():
-            for call, request in (
-                    (stub.Barrier, pb.BarrierRequest(caller=caller, name="agg", seq=1, wait_s=0.2, **others)),
-                    (stub.Get, pb.GetRequest(caller=caller, key="nothing", wait_s=0.2, **others))):
+            for kind, request in (
+                    ("barrier", pb.BarrierRequest(caller=caller, name="agg", seq=1, wait_s=0.2)),
+                    ("get", pb.GetRequest(caller=caller, key="nothing", wait_s=0.2))):
                 with pytest.raises(grpc.RpcError) as caught:
-                    call(request, timeout=10)
+                    relayed(stub, kind, request, others, timeout_s=10)
                 assert code is None or caught.value.code() == code, (what, caught.value.code(), caught.value.details())
                 assert caught.value.code() != grpc.StatusCode.UNKNOWN and words in caught.value.details(), \
                     (what, caught.value.details())
+        # Only a join, get, barrier or heartbeat takes an aggregate.
+        with pytest.raises(grpc.RpcError) as caught:
+            relayed(stub, "set", pb.SetRequest(caller=callers[0], key="k", value=b"x"), also(callers[1]))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "carries no aggregate" in \
+            caught.value.details(), caught.value.details()
         # Nothing above completed instance 1: a good aggregate for ranks 0-2 still waits for 3.
         with pytest.raises(grpc.RpcError) as caught:
-            stub.Barrier(pb.BarrierRequest(caller=callers[0], name="agg", seq=1, wait_s=0.3,
-                                           **also(callers[1], callers[2])), timeout=10)
+            relayed(stub, "barrier", pb.BarrierRequest(caller=callers[0], name="agg", seq=1, wait_s=0.3),
+                    also(callers[1], callers[2]), timeout_s=10)
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "[3]" in caught.value.details(), \
             caught.value.details()
         # Rank 3 arrives on its own and completes it; ranks 0-2 see it complete.
         assert stub.Barrier(pb.BarrierRequest(caller=callers[3], name="agg", seq=1, wait_s=5.0), timeout=10).seq == 1
-        assert stub.Barrier(pb.BarrierRequest(caller=callers[0], name="agg", seq=1, wait_s=5.0,
-                                              **also(callers[1], callers[2])), timeout=10).seq == 1
+        assert relayed(stub, "barrier", pb.BarrierRequest(caller=callers[0], name="agg", seq=1, wait_s=5.0),
+                       also(callers[1], callers[2]), timeout_s=10).seq == 1
         clients[3].leave()
         with pytest.raises(grpc.RpcError) as caught:
-            stub.Get(pb.GetRequest(caller=callers[0], key="k", wait_s=0.2, **also(callers[3])), timeout=10)
+            relayed(stub, "get", pb.GetRequest(caller=callers[0], key="k", wait_s=0.2), also(callers[3]), timeout_s=10)
         assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "after it left" in \
             caught.value.details(), caught.value.details()
     assert not server.state.failures
@@ -592,15 +601,17 @@ def test_a_heartbeat_that_repeats_its_progress_refreshes_it_and_a_bad_age_is_sti
 
 
 @pytest.mark.timeout(60)
-def test_a_relayed_heartbeat_stands_for_repeated_progress_asks_again_for_what_it_lacks_and_refuses_bad_arrays(
+def test_a_relayed_heartbeat_stands_for_repeated_progress_asks_again_for_what_it_lacks_and_refuses_bad_input(
         coordinator_factory):
-    """A relay's heartbeat names its ranks in packed arrays and flags each rank whose progress is
+    """A relay's heartbeat names its ranks in its aggregate and flags each rank whose progress is
     what it reported before. The coordinator refreshes the report it holds for a flagged rank,
-    names in progress_resend each flagged rank it holds none for (never reported, or its last
-    report refused), skips a rank of another process, and refuses arrays that do not line up or
-    another job's heartbeat, whole, with a readable status."""
+    names in the answer's progress_resend each flagged rank it holds none for (never reported, or
+    its last report refused), skips a rank of another process or out of range, and refuses more
+    progress entries than its ranks may send, or another job's heartbeat, whole, with a readable
+    status."""
     from gridcomm._proto import coordinator_pb2 as pb
     from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+    from tests.support.relayed import refused, session_op
 
     world = 4
     server = coordinator_factory(world)
@@ -611,15 +622,18 @@ def test_a_relayed_heartbeat_stands_for_repeated_progress_asks_again_for_what_it
     def entry(rank: int, communicator: str = "world") -> pb.Progress:
         return pb.Progress(communicator=communicator, entered=7, kind="barrier", age_s=0.5, inside=True, rank=rank)
 
-    def beat(ranks, same=(), progress=(), incarnations=None, **fields) -> pb.HeartbeatResponse:
-        request = pb.HeartbeatRequest(
-            caller=fields.pop("caller", callers[0]), wait_s=0.0, relayed=True, also_ranks=ranks,
-            also_incarnations=incarnations or [callers[r].incarnation for r in ranks],
-            also_generations=[generation] * len(ranks), also_age_s=[0.1] * len(ranks),
-            also_progress_same=same, progress=progress)
-        for name, value in fields.items():
-            getattr(request, name)[:] = value
-        return stub.Heartbeat(request, timeout=10)
+    def beat(ranks, same=(), progress=(), incarnations=None, caller=None) -> pb.AggregateAnswer:
+        """The relay's heartbeat for ``ranks``; the coordinator's answer to its aggregate."""
+        incarnations = incarnations or [callers[r].incarnation if 0 <= r < world else 1 for r in ranks]
+        aggregate = pb.Aggregate(ranks=[
+            pb.RelayedRank(rank=r, incarnation=i, generation=generation, age_s=0.1, progress_same=bool(s))
+            for r, i, s in zip(ranks, incarnations, same or [False] * len(ranks), strict=True)])
+        request = pb.HeartbeatRequest(caller=caller or callers[0], wait_s=0.0, progress=progress)
+        result = session_op(stub, "heartbeat", request, aggregate, timeout_s=10)
+        if result.code:
+            raise refused(result)
+        assert result.HasField("heartbeat")
+        return result.aggregate
 
     progress = server.state.progress
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -638,12 +652,13 @@ def test_a_relayed_heartbeat_stands_for_repeated_progress_asks_again_for_what_it
         # A refused report (an empty communicator name) leaves nothing a flag could stand for.
         beat([1], progress=[entry(1, communicator="")])
         assert list(beat([1], same=[True]).progress_resend) == [1]
-        for what, fields in (("ages", {"also_age_s": [0.1]}), ("processes", {"also_incarnations": [5]}),
-                             ("progress flags", {"also_progress_same": [True]})):
-            with pytest.raises(grpc.RpcError) as caught:
-                beat([1, 2], **fields)
-            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and what in caught.value.details(), \
-                caught.value.details()
+        # A rank out of range is skipped (the others are still carried), not refused.
+        assert list(beat([world + 5, 1], same=[True, True]).progress_resend) == [1]
+        # More progress entries than its ranks may send: refused whole.
+        with pytest.raises(grpc.RpcError) as caught:
+            beat([1], progress=[entry(1, communicator=f"c{i}") for i in range(200)])
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "progress entries" in \
+            caught.value.details(), caught.value.details()
         other = pb.Caller()
         other.CopyFrom(callers[0])
         other.job_id = "someone-else"
@@ -658,7 +673,7 @@ def test_a_relayed_heartbeat_stands_for_repeated_progress_asks_again_for_what_it
 
 @pytest.mark.timeout(60)
 def test_an_aggregated_join_registers_each_rank_and_sends_back_what_a_join_of_its_own_must_answer(coordinator_factory):
-    """A relay's aggregate of first joins (``JoinRequest.also``): one wait and one answer for all
+    """A relay's aggregate of first joins (``SessionOp.aggregate``): one wait and one answer for all
     its ranks, each registered as its own join would be. What only a join of its own can answer
     (a rank out of range, another world size, a second process for a rank of the running job) is
     refused with FAILED_PRECONDITION, which makes a relay repeat each join alone; an aggregate
@@ -672,16 +687,21 @@ def test_an_aggregated_join_registers_each_rank_and_sends_back_what_a_join_of_it
     world = 4
     server = coordinator_factory(world)
 
-    def joiner(rank: int, incarnation: int = 0) -> pb.Joiner:
-        return pb.Joiner(rank=rank, incarnation=incarnation or 1000 + rank, hostname=f"host-{rank}")
+    from gridcomm._wire import WIRE
+    from tests.support.relayed import relayed
 
-    def aggregate(first: int, *others: pb.Joiner, wait_s: float = 0.3, **fields) -> pb.JoinRequest:
-        return pb.JoinRequest(**{"job_id": "default", "rank": first, "world_size": world, "incarnation": 1000 + first,
-                                 "hostname": f"host-{first}", "wait_s": wait_s, **fields}, also=list(others))
+    def joiner(rank: int, incarnation: int = 0) -> pb.RelayedRank:
+        return pb.RelayedRank(rank=rank, incarnation=incarnation or 1000 + rank, hostname=f"host-{rank}")
 
-    def refused(request: pb.JoinRequest, code: grpc.StatusCode, words: str) -> None:
+    def aggregate(first: int, *others: pb.RelayedRank, wait_s: float = 0.3,
+                  **fields) -> tuple[pb.JoinRequest, pb.Aggregate]:
+        return (pb.JoinRequest(**{"job_id": "default", "rank": first, "world_size": world, "incarnation": 1000 + first,
+                                  "hostname": f"host-{first}", "wait_s": wait_s, "wire": WIRE, **fields}),
+                pb.Aggregate(ranks=list(others)))
+
+    def refused(join: tuple[pb.JoinRequest, pb.Aggregate], code: grpc.StatusCode, words: str) -> None:
         with pytest.raises(grpc.RpcError) as caught:
-            stub.Join(request, timeout=10)
+            relayed(stub, "join", *join, timeout_s=10)
         assert caught.value.code() == code and words in caught.value.details(), \
             (caught.value.code(), caught.value.details())
 
@@ -699,7 +719,7 @@ def test_an_aggregated_join_registers_each_rank_and_sends_back_what_a_join_of_it
         late = _client(server, 3, world, timeout_s=20.0)
         joined = threading.Thread(target=late.join)
         joined.start()
-        answer = stub.Join(aggregate(0, joiner(1), joiner(2), wait_s=10.0), timeout=20)
+        answer = relayed(stub, "join", *aggregate(0, joiner(1), joiner(2), wait_s=10.0), timeout_s=20)
         joined.join(20)
         assert not joined.is_alive() and late.generation == answer.generation and answer.world_size == world
         assert server.state.complete and server.state.generation == answer.generation
@@ -708,12 +728,14 @@ def test_an_aggregated_join_registers_each_rank_and_sends_back_what_a_join_of_it
                    for r in range(3)]
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(late.barrier, "all", timeout_s=20.0)
-            assert stub.Barrier(pb.BarrierRequest(caller=callers[0], name="all", seq=1, wait_s=10.0, also_ranks=[1, 2],
-                                                  also_incarnations=[1001, 1002]), timeout=20).seq == 1
+            assert relayed(stub, "barrier", pb.BarrierRequest(caller=callers[0], name="all", seq=1, wait_s=10.0),
+                           pb.Aggregate(ranks=[pb.RelayedRank(rank=1, incarnation=1001),
+                                               pb.RelayedRank(rank=2, incarnation=1002)]), timeout_s=20).seq == 1
             waiting.result(20)
         # New processes for ranks 0 and 1 of the running job: only their own joins can wait for
         # their predecessors' fate.
-        refused(pb.JoinRequest(job_id="default", rank=0, world_size=world, incarnation=7, wait_s=0.3,
-                               also=[joiner(1, incarnation=8)]), grpc.StatusCode.FAILED_PRECONDITION, "join each alone")
+        refused((pb.JoinRequest(job_id="default", rank=0, world_size=world, incarnation=7, wait_s=0.3, wire=WIRE),
+                 pb.Aggregate(ranks=[joiner(1, incarnation=8)])),
+                grpc.StatusCode.FAILED_PRECONDITION, "join each alone")
     assert not server.state.failures and server.state.members[0].incarnation == 1000
     late.leave()

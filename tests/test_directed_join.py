@@ -14,7 +14,9 @@ import pytest
 
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from gridcomm._wire import WIRE
 from tests.support.procs import RankProcesses, assert_all_ok
+from tests.support.relayed import relayed
 
 TOKEN = "directed-join-token"
 
@@ -77,14 +79,19 @@ def test_members_of_a_late_leader_come_back_and_join_through_its_relay(coordinat
 
 
 def first_contact(stub, rank: int, world: int = 8, **fields) -> pb.JoinResponse:
-    return stub.Join(pb.JoinRequest(job_id="default", rank=rank, world_size=world, incarnation=100 + rank,
+    return stub.Join(pb.JoinRequest(wire=WIRE, job_id="default", rank=rank, world_size=world, incarnation=100 + rank,
                                     hostname="h", first_contact=True, **fields), timeout=10)
 
 
-def join(stub, rank: int, **fields) -> grpc.StatusCode:
+def join(stub, rank: int, also: list[pb.RelayedRank] | None = None, **fields) -> grpc.StatusCode:
+    """A join (with ``also``: a relay's aggregate of first joins, on a Session stream); its status."""
+    request = pb.JoinRequest(job_id="default", rank=rank, world_size=8, incarnation=100 + rank, hostname="h",
+                             wait_s=0, wire=WIRE, **fields)
     try:
-        stub.Join(pb.JoinRequest(job_id="default", rank=rank, world_size=8, incarnation=100 + rank, hostname="h",
-                                 wait_s=0, **fields), timeout=10)
+        if also is None:
+            stub.Join(request, timeout=10)
+        else:
+            relayed(stub, "join", request, pb.Aggregate(ranks=also), timeout_s=10)
         return grpc.StatusCode.OK
     except grpc.RpcError as exc:
         return exc.code()
@@ -109,10 +116,10 @@ def test_first_contacts_are_answered_at_once_and_a_relay_speaks_for_its_own_grou
         # Nothing was registered by the first contacts: only rank 4 joined.
         assert set(server.state.members) == {4}
         # An aggregate naming a rank of another group beside one sent to rank 4's relay is refused.
-        assert join(stub, 5, also=[pb.Joiner(rank=1, incarnation=101, hostname="h")]) == \
+        assert join(stub, 5, also=[pb.RelayedRank(rank=1, incarnation=101, hostname="h")]) == \
             grpc.StatusCode.INVALID_ARGUMENT
         assert set(server.state.members) == {4}
-        assert join(stub, 5, also=[pb.Joiner(rank=6, incarnation=106, hostname="h")]) == \
+        assert join(stub, 5, also=[pb.RelayedRank(rank=6, incarnation=106, hostname="h")]) == \
             grpc.StatusCode.DEADLINE_EXCEEDED
         assert set(server.state.members) == {4, 5, 6}
         for bad in ({"rank": 8}, {"rank": 1, "world": 9}):
@@ -166,7 +173,7 @@ def test_a_member_that_asks_before_its_leader_is_held_and_answered_when_the_lead
     with grpc.insecure_channel(server.address) as channel, concurrent.futures.ThreadPoolExecutor(1) as pool:
         stub = pb_grpc.CoordinatorStub(channel)
         held = pool.submit(lambda: stub.Join(pb.JoinRequest(job_id="default", rank=5, world_size=8, incarnation=105,
-                                                            hostname="h", first_contact=True), timeout=60))
+                                                            hostname="h", first_contact=True, wire=WIRE), timeout=60))
         deadline = time.monotonic() + 10
         while server._servicer.metrics.first_contacts["held"] < 1:
             assert time.monotonic() < deadline, "the member's first contact was never held"

@@ -41,6 +41,7 @@ from hypothesis import strategies as st
 import gridcomm
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from gridcomm._wire import WIRE
 from tests.support.calls import (
     _BODIES,
     ABORTED,
@@ -250,7 +251,8 @@ def lonely_wait(driver: Driver, rpc: str, wait_s: float) -> Any:
     or heartbeats while nobody fails."""
     job = driver.job
     if rpc == "Join":
-        return pb.JoinRequest(job_id=job.job_id, rank=0, world_size=job.world_size, incarnation=5, wait_s=wait_s)
+        return pb.JoinRequest(job_id=job.job_id, rank=0, world_size=job.world_size, incarnation=5, wait_s=wait_s,
+                              wire=WIRE)
     driver.join_all(list(range(job.world_size)), [5 + r for r in range(job.world_size)])
     caller = job.valid_callers()[0]
     if rpc == "Get":

@@ -15,6 +15,7 @@ import pytest
 
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from gridcomm._wire import WIRE
 from tests.support.calls import (
     ABORTED,
     DEADLINE,
@@ -75,7 +76,7 @@ def test_huge_job_id_gets_a_readable_refusal():
         huge = "x" * 100_000
         caller = _copy(job.valid_callers()[0], job_id=huge)
         requests = {
-            "Join": pb.JoinRequest(job_id=huge, rank=0, world_size=2, incarnation=100, wait_s=0.0),
+            "Join": pb.JoinRequest(wire=WIRE, job_id=huge, rank=0, world_size=2, incarnation=100, wait_s=0.0),
             "Set": pb.SetRequest(caller=caller, key="k", value=b"v"),
             "Get": pb.GetRequest(caller=caller, key="k"),
             "Barrier": pb.BarrierRequest(caller=caller, name="b", seq=1),
@@ -170,7 +171,7 @@ def test_a_new_process_for_a_live_rank_fails_nobody_and_becomes_the_replacement_
     with joined(2) as (channel, job):
         stub = pb_grpc.CoordinatorStub(channel)
         c0, c1 = job.valid_callers()
-        new = pb.JoinRequest(job_id=job.job_id, rank=0, world_size=2, incarnation=999, hostname="restarted")
+        new = pb.JoinRequest(wire=WIRE, job_id=job.job_id, rank=0, world_size=2, incarnation=999, hostname="restarted")
         with ThreadPoolExecutor(2) as pool:
             waiting = pool.submit(call_unary, stub.Barrier, pb.BarrierRequest(caller=c1, name="b", seq=1, wait_s=10.0))
             parked_by = time.monotonic() + 5.0

@@ -23,6 +23,7 @@ from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._relay.server import Relay
 from tests.support.procs import RankProcesses, assert_all_ok, wait_for
+from tests.support.relayed import relayed
 
 TOKEN = "relay-attack-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
@@ -247,11 +248,12 @@ def test_the_coordinator_skips_a_bad_entry_of_a_relayed_heartbeat_alone(coordina
         caller = pb.Caller(job_id=state.job_id, rank=0, incarnation=clients[0].incarnation, generation=state.generation)
         ranks = [0, 7, 1, -3]
         incarnations = [clients[0].incarnation, 1, clients[1].incarnation, 2]
-        request = pb.HeartbeatRequest(caller=caller, wait_s=0.0, relayed=True, also_ranks=ranks,
-                                      also_incarnations=incarnations, also_generations=[state.generation] * 4,
-                                      also_age_s=[0.0] * 4)
+        request = pb.HeartbeatRequest(caller=caller, wait_s=0.0)
+        aggregate = pb.Aggregate(ranks=[pb.RelayedRank(rank=r, incarnation=i, generation=state.generation, age_s=0.0)
+                                        for r, i in zip(ranks, incarnations, strict=True)])
         with grpc.insecure_channel(server.address) as channel:
-            answer = pb_grpc.CoordinatorStub(channel).Heartbeat(request, metadata=AUTH, timeout=10)
+            answer = relayed(pb_grpc.CoordinatorStub(channel), "heartbeat", request, aggregate, timeout_s=10,
+                             metadata=AUTH)
         assert not answer.failures
         assert all(state.members[r].last_heartbeat > (before[r] or 0.0) for r in (0, 1)), before
     finally:

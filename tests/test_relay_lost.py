@@ -22,6 +22,7 @@ import pytest
 
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from gridcomm._wire import WIRE
 from tests.support.procs import RankProcesses, wait_for
 
 TOKEN = "relay-lost-token"
@@ -81,7 +82,8 @@ class Raw:
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.incarnations = {0: 0x1111, 1: 0x2222}
         joins = [threading.Thread(target=self.stub.Join, args=(pb.JoinRequest(
-            job_id="default", rank=r, world_size=2, incarnation=self.incarnations[r], hostname="raw", wait_s=20),),
+            job_id="default", rank=r, world_size=2, incarnation=self.incarnations[r], hostname="raw", wait_s=20,
+            wire=WIRE),),
             kwargs={"metadata": AUTH, "timeout": 30}) for r in (0, 1)]
         [t.start() for t in joins]
         [t.join(40) for t in joins]
@@ -104,8 +106,9 @@ class Raw:
         ids = iter(range(1, 1 << 30))
 
         def requests() -> Iterator[pb.SessionRequest]:
-            while (request := ops.get()) is not None:
-                yield pb.SessionRequest(ops=[pb.SessionOp(id=next(ids), heartbeat=request)])
+            while (sent := ops.get()) is not None:
+                request, aggregate = sent
+                yield pb.SessionRequest(ops=[pb.SessionOp(id=next(ids), heartbeat=request, aggregate=aggregate)])
 
         def read() -> None:
             try:
@@ -121,23 +124,23 @@ class Raw:
         ops.answers = answers  # type: ignore[attr-defined]
         return ops
 
-    def send(self, stream: queue.Queue, request: pb.HeartbeatRequest) -> None:
-        """Sends ``request`` on ``stream`` and waits for its answer (so it has been read)."""
-        stream.put(request)
+    def send(self, stream: queue.Queue, request: pb.HeartbeatRequest, aggregate: pb.Aggregate) -> None:
+        """Sends ``request`` with the relay's ``aggregate`` on ``stream`` and waits for its answer
+        (so it has been read)."""
+        stream.put((request, aggregate))
         result = stream.answers.get(timeout=15)  # type: ignore[attr-defined]
         assert not result.code, result.details
 
     def carry(self, stream: queue.Queue, rank: int) -> None:
         """A relay's heartbeat for ``rank`` (its last heartbeat at the relay just now)."""
-        self.send(stream, pb.HeartbeatRequest(
-            caller=self.caller(rank), relayed=True, wait_s=0, also_ranks=[rank],
-            also_incarnations=[self.incarnations[rank]], also_generations=[self.generation], also_age_s=[0.0]))
+        self.send(stream, pb.HeartbeatRequest(caller=self.caller(rank), wait_s=0), pb.Aggregate(ranks=[pb.RelayedRank(
+            rank=rank, incarnation=self.incarnations[rank], generation=self.generation, age_s=0.0)]))
 
     def report(self, stream: queue.Queue, rank: int, incarnation: int | None = None) -> None:
         """The relay reports ``rank``'s stream to it ended without its leaving."""
         caller = self.caller(rank, incarnation)
-        self.send(stream, pb.HeartbeatRequest(caller=caller, relayed=True, lost_relay="10.0.0.9:7000",
-                                              lost_ranks=[rank], lost_incarnations=[caller.incarnation]))
+        self.send(stream, pb.HeartbeatRequest(caller=caller), pb.Aggregate(
+            relay="10.0.0.9:7000", lost=[pb.RelayedRank(rank=rank, incarnation=caller.incarnation)]))
 
     def close(self) -> None:
         for ops, reader in self._streams:

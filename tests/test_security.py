@@ -12,6 +12,7 @@ import pytest
 
 import gridcomm
 from gridcomm import _config
+from gridcomm._wire import WIRE
 from tests.support.procs import ROOT, RankProcesses, report
 from tests.support.tls import tls_env
 
@@ -253,7 +254,7 @@ def test_a_token_holder_cannot_learn_an_incarnation_or_act_as_another_rank(coord
             assert f"{secret:x}" not in str(status) and str(secret) not in str(status)
             # A second process for rank 1: refused, and the refusal does not name the holder's incarnation.
             with pytest.raises(grpc.RpcError) as refused:
-                stub.Join(pb.JoinRequest(job_id=status.job_id, rank=1, world_size=2, incarnation=12345,
+                stub.Join(pb.JoinRequest(wire=WIRE, job_id=status.job_id, rank=1, world_size=2, incarnation=12345,
                                          hostname="intruder", wait_s=0.2), metadata=auth, timeout=10)
             assert f"{secret:x}" not in (refused.value.details() or "")
             # What Status shows, used as rank 1's identity: refused.

@@ -41,6 +41,7 @@ import gridcomm
 from gridcomm._client.client import fetch_status
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from gridcomm._wire import WIRE
 from tests.support.calls import (
     OK,
     SERVICE,
@@ -201,7 +202,7 @@ def op(op_id: int, **kind: Any) -> pb.SessionOp:
 
 def join_on_stream(session: RawSession, server: gridcomm.Coordinator, world: int) -> list[pb.Caller]:
     """Joins every rank with one request on ``session``; returns each rank's caller."""
-    session.send(*(op(100 + r, join=pb.JoinRequest(job_id=server.job_id, rank=r, world_size=world,
+    session.send(*(op(100 + r, join=pb.JoinRequest(wire=WIRE, job_id=server.job_id, rank=r, world_size=world,
                                                    incarnation=0x5E55_0000 + r, hostname="raw", wait_s=5.0))
                    for r in range(world)))
     results = session.wait([100 + r for r in range(world)])
@@ -462,10 +463,11 @@ def test_each_operation_answers_exactly_as_its_unary_rpc():
         job = server.job_id
         stale = pb.Caller(job_id=job, rank=1, incarnation=callers[1].incarnation, generation=callers[1].generation + 7)
         cases = [
-            ("join", pb.JoinRequest(job_id=job, rank=0, world_size=4, incarnation=1, wait_s=0.1)),
-            ("join", pb.JoinRequest(job_id=job, rank=3, world_size=3, incarnation=1, wait_s=0.1)),
-            ("join", pb.JoinRequest(job_id="another-job", rank=0, world_size=3, incarnation=1, wait_s=0.1)),
-            ("join", pb.JoinRequest(job_id=job, rank=2, world_size=3, incarnation=callers[2].incarnation, wait_s=0.1)),
+            ("join", pb.JoinRequest(wire=WIRE, job_id=job, rank=0, world_size=4, incarnation=1, wait_s=0.1)),
+            ("join", pb.JoinRequest(wire=WIRE, job_id=job, rank=3, world_size=3, incarnation=1, wait_s=0.1)),
+            ("join", pb.JoinRequest(wire=WIRE, job_id="another-job", rank=0, world_size=3, incarnation=1, wait_s=0.1)),
+            ("join", pb.JoinRequest(wire=WIRE, job_id=job, rank=2, world_size=3, incarnation=callers[2].incarnation,
+                                    wait_s=0.1)),
             ("set", pb.SetRequest(caller=stale, key="k", value=b"v")),
             ("set", pb.SetRequest(caller=callers[0], key="k" * 5000, value=b"v")),
             ("set", pb.SetRequest(caller=callers[0], key="k", value=b"v")),
@@ -579,7 +581,8 @@ def test_operations_beyond_the_per_stream_bound_are_refused_and_the_stream_recov
                                              ((("authorization", "Bearer wrong"),), "token is wrong")])
 def test_session_without_the_token_is_unauthenticated(metadata, words):
     with coordinator(2, token="the-token") as (server, channel), raw_session(channel, metadata) as session:
-        session.send(op(1, join=pb.JoinRequest(job_id=server.job_id, rank=0, world_size=2, incarnation=1, wait_s=0.1)))
+        session.send(op(1, join=pb.JoinRequest(wire=WIRE, job_id=server.job_id, rank=0, world_size=2, incarnation=1,
+                                               wait_s=0.1)))
         error = session.wait_end()
         assert error is not None and error.code() is grpc.StatusCode.UNAUTHENTICATED, error
         assert words in error.details()

@@ -16,12 +16,12 @@ from typing import Any
 
 import grpc
 
-from gridcomm._errors import CoordinatorUnavailable, RendezvousTimeout
+from gridcomm._errors import ConfigError, CoordinatorUnavailable, RendezvousTimeout
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._runtime import loop as _eventloop
 from gridcomm._runtime.channel import make_aio_channel
-from gridcomm._wire import translate
+from gridcomm._wire import WIRE, translate, wire_mismatch
 
 log = logging.getLogger("gridcomm")
 
@@ -115,7 +115,7 @@ def _ask(client: Any, asker: Asker, until: float, relay_address: str) -> pb.Join
     if not relay_address:  # a member (a leader names its relay, and asks at once)
         time.sleep(min(max(0.0, until - time.monotonic()), start_delay_s(client.world_size)))
     while (left := until - time.monotonic()) > 0:
-        request = pb.JoinRequest(job_id=client.job_id, rank=client.rank, world_size=client.world_size,
+        request = pb.JoinRequest(job_id=client.job_id, rank=client.rank, world_size=client.world_size, wire=WIRE,
                                  incarnation=client.incarnation, hostname=client.hostname, first_contact=True,
                                  fanin=client.settings.relay_fanin or 0, relay_address=relay_address)
         asks += 1
@@ -127,6 +127,9 @@ def _ask(client: Any, asker: Asker, until: float, relay_address: str) -> pb.Join
             time.sleep(pause)
             backoff = min(ASK_BACKOFF_MAX_S, backoff * 2)
             continue
+        problem = wire_mismatch(answer.wire, client.target)
+        if problem is not None:
+            raise ConfigError(f"{what}: {problem}")
         if answer.fanin == 0:
             return None  # a coordinator that does not direct joins answered as to a join
         if answer.retry_after_s > 0:

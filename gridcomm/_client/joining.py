@@ -13,7 +13,7 @@ from gridcomm._client import tree as _relay_tree
 from gridcomm._client.watcher import Watcher
 from gridcomm._errors import CommAborted, ConfigError
 from gridcomm._proto import coordinator_pb2 as pb
-from gridcomm._wire import shown_generation
+from gridcomm._wire import WIRE, shown_generation, wire_mismatch
 
 if TYPE_CHECKING:
     from gridcomm._client.client import CoordinatorClient
@@ -86,7 +86,7 @@ def join_request(client: CoordinatorClient, wait_s: float, generation: int = 0,
                  recovery: int = pb.RECOVERY_NONE) -> pb.JoinRequest:
     """This process's join: of the job (a new process), or, by a survivor of ``generation``,
     of the next one (``recovery``)."""
-    return pb.JoinRequest(job_id=client.job_id, rank=client.rank, world_size=client.world_size,
+    return pb.JoinRequest(job_id=client.job_id, rank=client.rank, world_size=client.world_size, wire=WIRE,
                           incarnation=client.incarnation, hostname=client.hostname, wait_s=wait_s,
                           generation=generation, recovery=recovery,  # type: ignore[arg-type]
                           relay_address=client.relay.target if client.relay is not None else "",
@@ -96,6 +96,9 @@ def join_request(client: CoordinatorClient, wait_s: float, generation: int = 0,
 def enter(client: CoordinatorClient, response: pb.JoinResponse) -> None:
     """Takes the generation a join or a recovery answered: its number and members; barrier
     counts and the failure latch start afresh (the coordinator's keys and barriers do too)."""
+    problem = wire_mismatch(response.wire, client.target)
+    if problem is not None:
+        raise ConfigError(f"rank {client.rank}: join: {problem}")
     with client._failure_lock:
         client._lost = None
         client.generation = response.generation

@@ -4,9 +4,8 @@ A rank that dials the coordinator directly and dies is seen at once: its held he
 cancelled, and it is failed unless it heartbeats again within the connection grace (see
 Servicer._check_lost). A rank behind a relay has its held heartbeat at the relay; when its Session
 stream to the relay ends without its leaving, the relay names the process (rank, incarnation) in
-its next message upstream (``HeartbeatRequest.lost_ranks``), and the coordinator applies the same
-rule: a grace in which its own loop kept up and no heartbeat of that process arrived, then the
-failure.
+its next heartbeat upstream (``Aggregate.lost``), and the coordinator applies the same rule: a
+grace in which its own loop kept up and no heartbeat of that process arrived, then the failure.
 
 A relay is believed only for what it carried: a process is reported lost only by the Session
 stream its latest heartbeat came on (a relay's aggregate, or the process's own heartbeat through
@@ -70,20 +69,21 @@ class RelayLosses:
             via[rank] = stream
 
     # ------------------------------------------------------------------ reports
-    def report(self, request: Any) -> None:
-        """A relay's heartbeat names processes whose stream to it ended without their leaving."""
-        ranks, incarnations = request.lost_ranks, request.lost_incarnations
-        if not ranks:
+    def report(self, aggregate: Any) -> None:
+        """A relay's heartbeat names processes whose stream to it ended without their leaving
+        (``aggregate.lost``, a gridcomm.v1.Aggregate)."""
+        lost = aggregate.lost
+        if not lost:
             return
         stream = STREAM.get()
-        relay = request.lost_relay[:_MAX_ADDRESS].strip() or "?"
+        relay = aggregate.relay[:_MAX_ADDRESS].strip() or "?"
         if not relay.isprintable():
             relay = "?"
-        if len(ranks) != len(incarnations) or len(ranks) > max(1, self._state.world_size):
-            log.warning("coordinator: a relay at %s reports %d lost ranks with %d processes; ignored", relay,
-                        len(ranks), len(incarnations))
+        if len(lost) > max(1, self._state.world_size):
+            log.warning("coordinator: a relay at %s reports %d lost ranks, more than the job's %d; ignored", relay,
+                        len(lost), self._state.world_size)
             return
-        for rank, incarnation in zip(ranks, incarnations, strict=True):
+        for rank, incarnation in ((r.rank, r.incarnation) for r in lost):
             member = self._state.members.get(rank)
             if (stream is None or member is None or member.incarnation != incarnation
                     or self._via.get(rank) != stream or not self._state.lost_connection(member, member.last_heartbeat)):

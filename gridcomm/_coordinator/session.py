@@ -33,6 +33,15 @@ OPERATIONS: dict[str, Callable[[Servicer, Any, float | None], Awaitable[Any]]] =
     "keys": Servicer.keys,
 }
 
+#: What a Session operation that carries a relay's aggregate (SessionOp.aggregate) runs: its
+#: answer, and what the SessionResult tells the relay beside it. Other kinds take none.
+AGGREGATED: dict[str, Callable[[Servicer, Any, pb.Aggregate], Awaitable[tuple[Any, pb.AggregateAnswer | None]]]] = {
+    "join": Servicer.join_aggregate,
+    "get": Servicer.get_aggregate,
+    "barrier": Servicer.barrier_aggregate,
+    "heartbeat": Servicer.relayed_heartbeat,
+}
+
 
 class ServerSession:
     """One Session stream: reads batches of operations, runs each as a task, and writes the
@@ -117,8 +126,14 @@ class ServerSession:
                 grpc.StatusCode.INVALID_ARGUMENT, f"Session operation {op.id} names no operation."))
             return
         request = getattr(op, kind)
+        aggregate = op.aggregate if op.HasField("aggregate") else None
+        if aggregate is not None and kind not in AGGREGATED:
+            self._refuse(op.id, f"Session {kind}", Abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"a {kind} carries no aggregate (only a relay's join, get, barrier "
+                "or heartbeat does)."))
+            return
         try:
-            charged = self._servicer.admit_op(kind, request)
+            charged = self._servicer.admit_op(kind, request, aggregate is not None)
         except Abort as exc:
             self._refuse(op.id, f"Session {kind}", exc)
             return
@@ -131,7 +146,8 @@ class ServerSession:
                 f"{kind} refused: this Session stream already has {waiting} operations waiting."))
             return
         self._waiting[charged] = waiting + 1
-        task = asyncio.ensure_future(self._run(op.id, kind, operation, request))
+        task = asyncio.ensure_future(self._run(op.id, kind, operation, request) if aggregate is None else
+                                     self._run_aggregate(op.id, kind, request, aggregate))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(lambda _: self._ended(charged))
@@ -152,6 +168,14 @@ class ServerSession:
             self._refuse(op_id, f"Session {kind}", exc)
             return
         self._answer(pb.SessionResult(id=op_id, **{kind: reply}))
+
+    async def _run_aggregate(self, op_id: int, kind: str, request: Any, aggregate: pb.Aggregate) -> None:
+        try:
+            reply, answer = await AGGREGATED[kind](self._servicer, request, aggregate)
+        except Exception as exc:  # noqa: BLE001 - answered with the unary RPC's status
+            self._refuse(op_id, f"Session {kind}", exc)
+            return
+        self._answer(pb.SessionResult(id=op_id, aggregate=answer, **{kind: reply}))
 
     async def _write(self) -> None:
         while True:

@@ -124,7 +124,7 @@ class DigestProbe(_message.Message):
     def __init__(self, communicator: _Optional[str] = ..., counts: _Optional[_Iterable[int]] = ..., prints: bool = ..., rank: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "incarnation", "hostname", "wait_s", "generation", "recovery", "relay_address", "wants_relay", "relay_rank", "also", "first_contact", "fanin")
+    __slots__ = ("job_id", "rank", "world_size", "incarnation", "hostname", "wait_s", "generation", "recovery", "relay_address", "wants_relay", "relay_rank", "wire", "first_contact", "fanin")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -136,7 +136,7 @@ class JoinRequest(_message.Message):
     RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WANTS_RELAY_FIELD_NUMBER: _ClassVar[int]
     RELAY_RANK_FIELD_NUMBER: _ClassVar[int]
-    ALSO_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
     FIRST_CONTACT_FIELD_NUMBER: _ClassVar[int]
     FANIN_FIELD_NUMBER: _ClassVar[int]
     job_id: str
@@ -150,23 +150,13 @@ class JoinRequest(_message.Message):
     relay_address: str
     wants_relay: bool
     relay_rank: int
-    also: _containers.RepeatedCompositeFieldContainer[Joiner]
+    wire: int
     first_contact: bool
     fanin: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., hostname: _Optional[str] = ..., wait_s: _Optional[float] = ..., generation: _Optional[int] = ..., recovery: _Optional[_Union[Recovery, str]] = ..., relay_address: _Optional[str] = ..., wants_relay: bool = ..., relay_rank: _Optional[int] = ..., also: _Optional[_Iterable[_Union[Joiner, _Mapping]]] = ..., first_contact: bool = ..., fanin: _Optional[int] = ...) -> None: ...
-
-class Joiner(_message.Message):
-    __slots__ = ("rank", "incarnation", "hostname")
-    RANK_FIELD_NUMBER: _ClassVar[int]
-    INCARNATION_FIELD_NUMBER: _ClassVar[int]
-    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
-    rank: int
-    incarnation: int
-    hostname: str
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., hostname: _Optional[str] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ..., hostname: _Optional[str] = ..., wait_s: _Optional[float] = ..., generation: _Optional[int] = ..., recovery: _Optional[_Union[Recovery, str]] = ..., relay_address: _Optional[str] = ..., wants_relay: bool = ..., relay_rank: _Optional[int] = ..., wire: _Optional[int] = ..., first_contact: bool = ..., fanin: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("generation", "world_size", "members", "heartbeat_timeout_s", "member_ranks", "relay_address", "host_relay", "retry_after_s", "leader", "fanin")
+    __slots__ = ("generation", "world_size", "members", "heartbeat_timeout_s", "member_ranks", "relay_address", "host_relay", "retry_after_s", "leader", "fanin", "wire")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +167,7 @@ class JoinResponse(_message.Message):
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     FANIN_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
     generation: int
     world_size: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
@@ -187,7 +178,8 @@ class JoinResponse(_message.Message):
     retry_after_s: float
     leader: int
     fanin: int
-    def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., heartbeat_timeout_s: _Optional[float] = ..., member_ranks: _Optional[_Iterable[int]] = ..., relay_address: _Optional[str] = ..., host_relay: bool = ..., retry_after_s: _Optional[float] = ..., leader: _Optional[int] = ..., fanin: _Optional[int] = ...) -> None: ...
+    wire: int
+    def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., heartbeat_timeout_s: _Optional[float] = ..., member_ranks: _Optional[_Iterable[int]] = ..., relay_address: _Optional[str] = ..., host_relay: bool = ..., retry_after_s: _Optional[float] = ..., leader: _Optional[int] = ..., fanin: _Optional[int] = ..., wire: _Optional[int] = ...) -> None: ...
 
 class SetRequest(_message.Message):
     __slots__ = ("caller", "key", "value", "total_bytes", "offset")
@@ -208,22 +200,18 @@ class SetResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("caller", "key", "wait_s", "offset", "version", "also_ranks", "also_incarnations")
+    __slots__ = ("caller", "key", "wait_s", "offset", "version")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
-    ALSO_RANKS_FIELD_NUMBER: _ClassVar[int]
-    ALSO_INCARNATIONS_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     key: str
     wait_s: float
     offset: int
     version: int
-    also_ranks: _containers.RepeatedScalarFieldContainer[int]
-    also_incarnations: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., wait_s: _Optional[float] = ..., offset: _Optional[int] = ..., version: _Optional[int] = ..., also_ranks: _Optional[_Iterable[int]] = ..., also_incarnations: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., key: _Optional[str] = ..., wait_s: _Optional[float] = ..., offset: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("value", "total_bytes", "version")
@@ -236,22 +224,18 @@ class GetResponse(_message.Message):
     def __init__(self, value: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class BarrierRequest(_message.Message):
-    __slots__ = ("caller", "name", "seq", "wait_s", "participants", "also_ranks", "also_incarnations")
+    __slots__ = ("caller", "name", "seq", "wait_s", "participants")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
-    ALSO_RANKS_FIELD_NUMBER: _ClassVar[int]
-    ALSO_INCARNATIONS_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     name: str
     seq: int
     wait_s: float
     participants: _containers.RepeatedScalarFieldContainer[int]
-    also_ranks: _containers.RepeatedScalarFieldContainer[int]
-    also_incarnations: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., wait_s: _Optional[float] = ..., participants: _Optional[_Iterable[int]] = ..., also_ranks: _Optional[_Iterable[int]] = ..., also_incarnations: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., name: _Optional[str] = ..., seq: _Optional[int] = ..., wait_s: _Optional[float] = ..., participants: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BarrierResponse(_message.Message):
     __slots__ = ("seq",)
@@ -260,44 +244,24 @@ class BarrierResponse(_message.Message):
     def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("caller", "wait_s", "also_ranks", "also_incarnations", "also_generations", "also_age_s", "also_progress_same", "relayed", "progress", "lost_ranks", "lost_incarnations", "lost_relay")
+    __slots__ = ("caller", "wait_s", "progress")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
-    ALSO_RANKS_FIELD_NUMBER: _ClassVar[int]
-    ALSO_INCARNATIONS_FIELD_NUMBER: _ClassVar[int]
-    ALSO_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
-    ALSO_AGE_S_FIELD_NUMBER: _ClassVar[int]
-    ALSO_PROGRESS_SAME_FIELD_NUMBER: _ClassVar[int]
-    RELAYED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
-    LOST_RANKS_FIELD_NUMBER: _ClassVar[int]
-    LOST_INCARNATIONS_FIELD_NUMBER: _ClassVar[int]
-    LOST_RELAY_FIELD_NUMBER: _ClassVar[int]
     caller: Caller
     wait_s: float
-    also_ranks: _containers.RepeatedScalarFieldContainer[int]
-    also_incarnations: _containers.RepeatedScalarFieldContainer[int]
-    also_generations: _containers.RepeatedScalarFieldContainer[int]
-    also_age_s: _containers.RepeatedScalarFieldContainer[float]
-    also_progress_same: _containers.RepeatedScalarFieldContainer[bool]
-    relayed: bool
     progress: _containers.RepeatedCompositeFieldContainer[Progress]
-    lost_ranks: _containers.RepeatedScalarFieldContainer[int]
-    lost_incarnations: _containers.RepeatedScalarFieldContainer[int]
-    lost_relay: str
-    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., wait_s: _Optional[float] = ..., also_ranks: _Optional[_Iterable[int]] = ..., also_incarnations: _Optional[_Iterable[int]] = ..., also_generations: _Optional[_Iterable[int]] = ..., also_age_s: _Optional[_Iterable[float]] = ..., also_progress_same: _Optional[_Iterable[bool]] = ..., relayed: bool = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ..., lost_ranks: _Optional[_Iterable[int]] = ..., lost_incarnations: _Optional[_Iterable[int]] = ..., lost_relay: _Optional[str] = ...) -> None: ...
+    def __init__(self, caller: _Optional[_Union[Caller, _Mapping]] = ..., wait_s: _Optional[float] = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("failures", "generation", "progress_resend", "digest_probes")
+    __slots__ = ("failures", "generation", "digest_probes")
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
-    PROGRESS_RESEND_FIELD_NUMBER: _ClassVar[int]
     DIGEST_PROBES_FIELD_NUMBER: _ClassVar[int]
     failures: _containers.RepeatedCompositeFieldContainer[Failure]
     generation: int
-    progress_resend: _containers.RepeatedScalarFieldContainer[int]
     digest_probes: _containers.RepeatedCompositeFieldContainer[DigestProbe]
-    def __init__(self, failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., generation: _Optional[int] = ..., progress_resend: _Optional[_Iterable[int]] = ..., digest_probes: _Optional[_Iterable[_Union[DigestProbe, _Mapping]]] = ...) -> None: ...
+    def __init__(self, failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., generation: _Optional[int] = ..., digest_probes: _Optional[_Iterable[_Union[DigestProbe, _Mapping]]] = ...) -> None: ...
 
 class ReportFailureRequest(_message.Message):
     __slots__ = ("caller", "reason")
@@ -378,7 +342,7 @@ class StragglerStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., lag_s: _Optional[float] = ..., communicator: _Optional[str] = ...) -> None: ...
 
 class SessionOp(_message.Message):
-    __slots__ = ("id", "join", "set", "get", "barrier", "leave", "heartbeat", "add", "compare_set", "delete_key", "keys")
+    __slots__ = ("id", "join", "set", "get", "barrier", "leave", "heartbeat", "add", "compare_set", "delete_key", "keys", "aggregate")
     ID_FIELD_NUMBER: _ClassVar[int]
     JOIN_FIELD_NUMBER: _ClassVar[int]
     SET_FIELD_NUMBER: _ClassVar[int]
@@ -390,6 +354,7 @@ class SessionOp(_message.Message):
     COMPARE_SET_FIELD_NUMBER: _ClassVar[int]
     DELETE_KEY_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATE_FIELD_NUMBER: _ClassVar[int]
     id: int
     join: JoinRequest
     set: SetRequest
@@ -401,7 +366,40 @@ class SessionOp(_message.Message):
     compare_set: CompareSetRequest
     delete_key: DeleteKeyRequest
     keys: KeysRequest
-    def __init__(self, id: _Optional[int] = ..., join: _Optional[_Union[JoinRequest, _Mapping]] = ..., set: _Optional[_Union[SetRequest, _Mapping]] = ..., get: _Optional[_Union[GetRequest, _Mapping]] = ..., barrier: _Optional[_Union[BarrierRequest, _Mapping]] = ..., leave: _Optional[_Union[LeaveRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatRequest, _Mapping]] = ..., add: _Optional[_Union[AddRequest, _Mapping]] = ..., compare_set: _Optional[_Union[CompareSetRequest, _Mapping]] = ..., delete_key: _Optional[_Union[DeleteKeyRequest, _Mapping]] = ..., keys: _Optional[_Union[KeysRequest, _Mapping]] = ...) -> None: ...
+    aggregate: Aggregate
+    def __init__(self, id: _Optional[int] = ..., join: _Optional[_Union[JoinRequest, _Mapping]] = ..., set: _Optional[_Union[SetRequest, _Mapping]] = ..., get: _Optional[_Union[GetRequest, _Mapping]] = ..., barrier: _Optional[_Union[BarrierRequest, _Mapping]] = ..., leave: _Optional[_Union[LeaveRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatRequest, _Mapping]] = ..., add: _Optional[_Union[AddRequest, _Mapping]] = ..., compare_set: _Optional[_Union[CompareSetRequest, _Mapping]] = ..., delete_key: _Optional[_Union[DeleteKeyRequest, _Mapping]] = ..., keys: _Optional[_Union[KeysRequest, _Mapping]] = ..., aggregate: _Optional[_Union[Aggregate, _Mapping]] = ...) -> None: ...
+
+class Aggregate(_message.Message):
+    __slots__ = ("ranks", "lost", "relay")
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedCompositeFieldContainer[RelayedRank]
+    lost: _containers.RepeatedCompositeFieldContainer[RelayedRank]
+    relay: str
+    def __init__(self, ranks: _Optional[_Iterable[_Union[RelayedRank, _Mapping]]] = ..., lost: _Optional[_Iterable[_Union[RelayedRank, _Mapping]]] = ..., relay: _Optional[str] = ...) -> None: ...
+
+class RelayedRank(_message.Message):
+    __slots__ = ("rank", "incarnation", "hostname", "generation", "age_s", "progress_same")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_SAME_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    incarnation: int
+    hostname: str
+    generation: int
+    age_s: float
+    progress_same: bool
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[int] = ..., hostname: _Optional[str] = ..., generation: _Optional[int] = ..., age_s: _Optional[float] = ..., progress_same: bool = ...) -> None: ...
+
+class AggregateAnswer(_message.Message):
+    __slots__ = ("progress_resend",)
+    PROGRESS_RESEND_FIELD_NUMBER: _ClassVar[int]
+    progress_resend: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, progress_resend: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("ops",)
@@ -418,7 +416,7 @@ class MetadataEntry(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class SessionResult(_message.Message):
-    __slots__ = ("id", "code", "details", "metadata", "join", "set", "get", "barrier", "leave", "heartbeat", "add", "compare_set", "delete_key", "keys")
+    __slots__ = ("id", "code", "details", "metadata", "join", "set", "get", "barrier", "leave", "heartbeat", "add", "compare_set", "delete_key", "keys", "aggregate")
     ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
@@ -433,6 +431,7 @@ class SessionResult(_message.Message):
     COMPARE_SET_FIELD_NUMBER: _ClassVar[int]
     DELETE_KEY_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATE_FIELD_NUMBER: _ClassVar[int]
     id: int
     code: int
     details: str
@@ -447,7 +446,8 @@ class SessionResult(_message.Message):
     compare_set: CompareSetResponse
     delete_key: DeleteKeyResponse
     keys: KeysResponse
-    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., join: _Optional[_Union[JoinResponse, _Mapping]] = ..., set: _Optional[_Union[SetResponse, _Mapping]] = ..., get: _Optional[_Union[GetResponse, _Mapping]] = ..., barrier: _Optional[_Union[BarrierResponse, _Mapping]] = ..., leave: _Optional[_Union[LeaveResponse, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatResponse, _Mapping]] = ..., add: _Optional[_Union[AddResponse, _Mapping]] = ..., compare_set: _Optional[_Union[CompareSetResponse, _Mapping]] = ..., delete_key: _Optional[_Union[DeleteKeyResponse, _Mapping]] = ..., keys: _Optional[_Union[KeysResponse, _Mapping]] = ...) -> None: ...
+    aggregate: AggregateAnswer
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., join: _Optional[_Union[JoinResponse, _Mapping]] = ..., set: _Optional[_Union[SetResponse, _Mapping]] = ..., get: _Optional[_Union[GetResponse, _Mapping]] = ..., barrier: _Optional[_Union[BarrierResponse, _Mapping]] = ..., leave: _Optional[_Union[LeaveResponse, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatResponse, _Mapping]] = ..., add: _Optional[_Union[AddResponse, _Mapping]] = ..., compare_set: _Optional[_Union[CompareSetResponse, _Mapping]] = ..., delete_key: _Optional[_Union[DeleteKeyResponse, _Mapping]] = ..., keys: _Optional[_Union[KeysResponse, _Mapping]] = ..., aggregate: _Optional[_Union[AggregateAnswer, _Mapping]] = ...) -> None: ...
 
 class SessionReply(_message.Message):
     __slots__ = ("results",)

@@ -113,18 +113,18 @@ class Beats(Upstream):
             ages = [max(0.0, (now - t) - (lag - at)) for _, t, at in beats]
             same: list[bool] = []
             full: dict[int, tuple[int, Hashable]] = {}
-            request = pb.HeartbeatRequest(caller=beats[0][0], wait_s=period, relayed=True, also_age_s=ages,
-                                          also_ranks=[c.rank for c, _, _ in beats],
-                                          also_incarnations=[c.incarnation for c, _, _ in beats],
-                                          also_generations=[c.generation for c, _, _ in beats])
+            request = pb.HeartbeatRequest(caller=beats[0][0], wait_s=period)
+            aggregate = pb.Aggregate()
             for (caller, _, _), age in zip(beats, ages, strict=True):
                 rank = caller.rank
                 entries, said = self._progress.get(rank, ((), None))
                 key = (caller.generation, said)
-                if said is not None and self._progress_up.get(rank) == key:
-                    same.append(True)
+                repeated = said is not None and self._progress_up.get(rank) == key
+                aggregate.ranks.add(rank=rank, incarnation=caller.incarnation, generation=caller.generation, age_s=age,
+                                    progress_same=repeated)
+                same.append(repeated)
+                if repeated:
                     continue
-                same.append(False)
                 if said is not None:
                     full[rank] = key
                 for entry in entries:
@@ -135,8 +135,6 @@ class Beats(Upstream):
                     relayed.age_s = entry.age_s + age if entry.age_s == entry.age_s else 0.0
                     if entry.gpu_wait_s > 0:
                         relayed.gpu_wait_s = entry.gpu_wait_s + age
-            if any(same):
-                request.also_progress_same.extend(same)
             self.progress_sent += len(request.progress)
             self.progress_same += sum(same)
             answered: asyncio.Future[pb.SessionResult] = loop.create_future()
@@ -145,7 +143,7 @@ class Beats(Upstream):
                 if not answered.done():
                     answered.set_result(result)
 
-            self._send("heartbeat", request, [], done)
+            self._send("heartbeat", request, [], done, aggregate)
             wait_s = period + max(1.0, self.heartbeat_timeout_s / 2)
             if self._silence is not None and not self._silence.lost:
                 # Why: the ranks are told the moment the silence passes the bound, not at a timeout.
@@ -163,11 +161,9 @@ class Beats(Upstream):
                 await asyncio.sleep(period)
                 continue
             self._progress_up.update(full)
-            if result.heartbeat.progress_resend:
-                for rank in result.heartbeat.progress_resend:
-                    self._progress_up.pop(rank, None)
-                    self._probes_down.pop(rank, None)
-                result.heartbeat.ClearField("progress_resend")  # the ranks' answers carry the rest
+            for rank in result.aggregate.progress_resend:
+                self._progress_up.pop(rank, None)
+                self._probes_down.pop(rank, None)
             if result.heartbeat.digest_probes:
                 for probe in result.heartbeat.digest_probes:
                     self._probes_down.setdefault(probe.rank, []).append(probe)

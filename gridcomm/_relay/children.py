@@ -152,12 +152,12 @@ def probe(heartbeat: pb.HeartbeatRequest) -> pb.HeartbeatRequest:
     return out
 
 
-def lost_report(child: Child, lost: list[tuple[int, int]], relay: str) -> pb.HeartbeatRequest:
-    """A relayed heartbeat that names processes (rank, incarnation) of ``child`` whose stream to
-    the relay ``relay`` ended without their leaving; answered at once."""
-    return pb.HeartbeatRequest(caller=pb.Caller(job_id=child.job_id, rank=lost[0][0], incarnation=lost[0][1]),
-                               relayed=True, lost_relay=relay, lost_ranks=[rank for rank, _ in lost],
-                               lost_incarnations=[incarnation for _, incarnation in lost])
+def lost_report(child: Child, lost: list[tuple[int, int]], relay: str) -> tuple[pb.HeartbeatRequest, pb.Aggregate]:
+    """A relayed heartbeat (and its aggregate) that names processes (rank, incarnation) of
+    ``child`` whose stream to the relay ``relay`` ended without their leaving; answered at once."""
+    return (pb.HeartbeatRequest(caller=pb.Caller(job_id=child.job_id, rank=lost[0][0], incarnation=lost[0][1])),
+            pb.Aggregate(relay=relay, lost=[pb.RelayedRank(rank=rank, incarnation=incarnation)
+                                            for rank, incarnation in lost]))
 
 
 def answered(result: pb.SessionResult, op_id: int) -> pb.SessionResult:

@@ -4,12 +4,12 @@ Ranks dial the relay exactly as they would dial the coordinator (the same Sessio
 token); the relay holds one Session stream to the coordinator and carries their operations on it:
 
 - the same barrier arrival (name, sequence number, generation) or get (key) of several ranks goes
-  up as one operation naming them all (``also``), and its one answer goes back to each. A barrier's
+  up as one operation naming them all (``SessionOp.aggregate``), and its one answer goes back to each. A barrier's
   arrivals are held until every rank connected here that takes part in it has arrived (the barrier
   cannot pass before they do, so holding delays nothing), or for at most ``HOLD_S``: the
   coordinator gets one message per relay and barrier, and a rank that does not come (hung, or
   slower than the hold) delays its siblings' arrivals at the coordinator by that much at most;
-- first joins go up the same way, as one join naming every rank (``JoinRequest.also``), held for
+- first joins go up the same way, as one join naming every rank, held for
   the relay's group (the ranks it was started for, when it knows them) as barriers are;
 - other joins, sets and leaves go up one by one, batched into the stream's messages;
 - a rank's heartbeat is answered by the relay itself (at its wait, or at once when the relay
@@ -48,11 +48,12 @@ from gridcomm._runtime import loop as _eventloop
 from gridcomm._runtime.admission import CONTROL_HEADROOM, RELAY_UNAUTHENTICATED, Admission
 from gridcomm._runtime.channel import make_aio_channel
 from gridcomm._runtime.guard import GuardedServer, control_server_options, token_problem
-from gridcomm._wire import SERVICE_NAME, UNDECODABLE, decoder
+from gridcomm._wire import SERVICE_NAME, UNDECODABLE, decoder, wire_refusal
 
 log = logging.getLogger(__name__)
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+_FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 
 #: Connections a relay accepts at once (gRPC closes new ones past it): its node's ranks (a few
 #: each) and, as on the coordinator's port, room for what a flood opens between two sweeps of the
@@ -233,13 +234,16 @@ class Relay(Beats):
             child.answer(pb.SessionResult(id=op.id, code=_INVALID, details=f"Session operation {op.id} names no operation."))
             return
         request = getattr(op, kind)
-        if kind == "join":
-            # Why: only the relay speaks for several ranks at once (a rank's heartbeat: the relay
-            # reads only its caller and progress).
-            request.ClearField("also")
-        elif kind in ("barrier", "get"):
-            request.ClearField("also_ranks")
-            request.ClearField("also_incarnations")
+        if op.HasField("aggregate"):
+            # Why: only the relay speaks for several ranks at once (it sends its ranks' requests
+            # up in operations of its own, so a rank's aggregate would otherwise be dropped unseen).
+            child.refuse(op.id, _INVALID, f"Session operation {op.id} carries an aggregate: only a relay speaks for "
+                         "several ranks.")
+            return
+        if kind == "join" and (problem := wire_refusal(request.wire, "the relay")) is not None:
+            child.refuse(op.id, _FAILED_PRECONDITION,
+                         f"join of rank {request.rank} refused by the relay at {self.target}: {problem}")
+            return
         caller = getattr(request, "caller", None)
         if caller is not None and not child.owns(caller):
             # A process this stream has not proven to be: the coordinator judges it, for this
@@ -325,7 +329,8 @@ class Relay(Beats):
         if lost:
             log.info("relay %s: the stream of rank(s) %s ended without their leaving; the coordinator is told",
                      self.target, [rank for rank, _ in lost])
-            self._send("heartbeat", lost_report(child, lost, self.target), [], lambda result: None)
+            request, aggregate = lost_report(child, lost, self.target)
+            self._send("heartbeat", request, [], lambda result: None, aggregate)
 
     def _expected(self, key: tuple[Any, ...], request: Any) -> set[int] | None:
         """Whom a group that ``request`` opens waits for (None: nobody; it goes up at the next

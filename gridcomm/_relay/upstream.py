@@ -41,11 +41,11 @@ class Upstream(RelayState):
         self._has_work.set()
 
     def _send(self, kind: str, request: Any, route: Route,
-              done: Callable[[pb.SessionResult], None] | None = None) -> None:
+              done: Callable[[pb.SessionResult], None] | None = None, aggregate: pb.Aggregate | None = None) -> None:
         self._next_id += 1
         op_id = self._next_id
         self._routes[op_id] = (kind, route, done)
-        self._outbox.append(pb.SessionOp(id=op_id, **{kind: request}))
+        self._outbox.append(pb.SessionOp(id=op_id, aggregate=aggregate, **{kind: request}))
         self.sent[kind] += 1
         self.ranks_carried[kind] += len(route)
         self._wake_writer()
@@ -88,15 +88,15 @@ class Upstream(RelayState):
             if len(route) == 1:
                 self._send(kind, request, route)
                 continue
+            aggregate = pb.Aggregate()
             if kind == "join":
-                request.also.extend(pb.Joiner(rank=r[2].join.rank, incarnation=r[2].join.incarnation,
-                                              hostname=r[2].join.hostname) for r in route[1:])
+                aggregate.ranks.extend(pb.RelayedRank(rank=r[2].join.rank, incarnation=r[2].join.incarnation,
+                                                      hostname=r[2].join.hostname) for r in route[1:])
             else:
                 callers = [getattr(r[2], kind).caller for r in route[1:]]
-                request.also_ranks.extend(c.rank for c in callers)
-                request.also_incarnations.extend(c.incarnation for c in callers)
+                aggregate.ranks.extend(pb.RelayedRank(rank=c.rank, incarnation=c.incarnation) for c in callers)
             self.aggregated += 1
-            self._send(kind, request, route)
+            self._send(kind, request, route, aggregate=aggregate)
 
     async def _write_up(self, call: Any, has_work: asyncio.Event) -> None:
         try:
@@ -158,6 +158,7 @@ class Upstream(RelayState):
             answer = pb.SessionResult()
             answer.CopyFrom(result)
             answer.id = op_id
+            answer.ClearField("aggregate")  # the relay's, not the rank's
             child.answer(answer)
 
     def _end_upstream(self, why: str) -> None:

@@ -20,6 +20,7 @@ from hypothesis import note as hypothesis_note
 
 import gridcomm
 from gridcomm._proto import coordinator_pb2 as pb
+from gridcomm._wire import WIRE
 
 # ------------------------------------------------------------------------------------ constants
 
@@ -265,7 +266,8 @@ def _sample_bodies() -> dict[str, bytes]:
     turn one into a real member's Join or ReportFailure)."""
     caller = pb.Caller(job_id="not-this-job", rank=1, incarnation=0xABCDEF, generation=1)
     return {
-        "Join": pb.JoinRequest(job_id="not-this-job", rank=1, world_size=2, incarnation=9, hostname="h", wait_s=0.0),
+        "Join": pb.JoinRequest(job_id="not-this-job", rank=1, world_size=2, incarnation=9, hostname="h", wait_s=0.0,
+                               wire=WIRE),
         "Set": pb.SetRequest(caller=caller, key="k\u2603", value=b"\x00\x01value"),
         "Get": pb.GetRequest(caller=caller, key="k", wait_s=0.0),
         "Barrier": pb.BarrierRequest(caller=caller, name="b", seq=1, wait_s=0.0, participants=[0, 1]),

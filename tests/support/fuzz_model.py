@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
+from gridcomm._wire import WIRE
 from tests.support.calls import (
     _FUZZ_TEXT_MAX,
     ABORTED,
@@ -646,7 +647,7 @@ def steps(draw: Any, job: Job, *, member_only: bool = False, only: str | None = 
         how = draw(st.sampled_from(["known", "known", "new", "zero"]))
         fresh = draw(st.integers(1, 2**64 - 1))
         incarnation = {"known": job.incarnations.get(rank, fresh), "new": fresh, "zero": 0}[how]
-        request: Any = pb.JoinRequest(job_id=job_id, rank=rank, world_size=world_size, incarnation=incarnation,
+        request: Any = pb.JoinRequest(job_id=job_id, rank=rank, world_size=world_size, incarnation=incarnation, wire=WIRE,
                                       hostname=draw(texts(huge=True, pool=["host-0", "localhost"])),
                                       wait_s=draw(WAITS))
     elif rpc == "Set":
@@ -755,7 +756,7 @@ class Driver:
         """Joins ranks one by one (wait_s 0: every join but the completing one times out at once)."""
         for rank, incarnation in zip(ranks, incarnations, strict=True):
             self.run("Join", pb.JoinRequest(job_id=self.job.job_id, rank=rank, world_size=self.job.world_size,
-                                            incarnation=incarnation, hostname=f"host-{rank}", wait_s=0.0))
+                                            incarnation=incarnation, hostname=f"host-{rank}", wait_s=0.0, wire=WIRE))
 
 
 def member_flow(channel: grpc.Channel, job: Job, tag: str) -> None:

@@ -17,12 +17,18 @@ from gridcomm._wire import FAILED_KEY, MISSING_KEY, ranks_text
 class BarrierOps(Operations):
     """Barrier."""
 
-    async def barrier(self, request: pb.BarrierRequest, deadline: float | None) -> pb.BarrierResponse:
+    async def barrier_aggregate(self, request: pb.BarrierRequest,
+                                aggregate: pb.Aggregate) -> tuple[pb.BarrierResponse, None]:
+        """A relay's aggregate: the same arrival by the other ranks ``aggregate`` names."""
+        return await self.barrier(request, None, aggregate), None
+
+    async def barrier(self, request: pb.BarrierRequest, deadline: float | None,
+                      aggregate: pb.Aggregate | None = None) -> pb.BarrierResponse:
         state = self._state
         now = self._now()
         name, seq = request.name, request.seq
         member = self._caller(request.caller, "barrier", now)
-        also = self._also(request, "barrier", now) if request.also_ranks else ()
+        also = self._also(request.caller, aggregate, "barrier", now) if aggregate is not None else ()
         self.metrics.messages["barrier"] += 1
         barrier = state.barriers.get(name)
         # A name the state does not know (new, or dropped after every member passed it) starts

@@ -132,14 +132,15 @@ class Operations:
                 if not fut.done():
                     fut.set_result(None)
 
-    def admit_op(self, kind: str, request: Any) -> tuple[int, int] | None:
+    def admit_op(self, kind: str, request: Any, aggregated: bool = False) -> tuple[int, int] | None:
         """Charges a Session operation to its caller's share of operations in flight, before a
         task is made for it (Limits.max_waits_per_rank): the key to release it by, or None when
-        it is not charged (a join, or a caller the state refuses: the operation runs and says
-        why). Why here: a rank that parks gets of keys nobody sets on many streams made a task
-        for each (131,072 of them on one connection: +192 MB) before any wait could refuse it."""
+        it is not charged (a join, a relay's heartbeat, or a caller the state refuses: the
+        operation runs and says why); ``aggregated``: it carries a relay's aggregate. Why here:
+        a rank that parks gets of keys nobody sets on many streams made a task for each (131,072
+        of them on one connection: +192 MB) before any wait could refuse it."""
         caller = getattr(request, "caller", None)
-        if caller is None or (kind == "heartbeat" and request.relayed):
+        if caller is None or (kind == "heartbeat" and aggregated):
             # A relay's heartbeat speaks for all its ranks: charged to one of them, that rank's
             # parked operations would refuse it for the others (the stream's own bound holds it).
             return None
@@ -249,15 +250,15 @@ class Operations:
                 self.metrics.hangs[cause] += 1
             self._on_failure()
 
-    def _also(self, request: Any, what: str, now: float | None = None) -> list[int]:
+    def _also(self, caller: pb.Caller, aggregate: pb.Aggregate, what: str, now: float | None = None) -> list[int]:
         """Checks the other ranks of a relay's aggregate (each is seen, as its own call would be);
         returns them. They share the caller's job and generation, which its own check covered."""
-        ranks, incarnations = request.also_ranks, request.also_incarnations
-        if len(ranks) != len(incarnations) or len(ranks) > self._state.world_size:
+        others = aggregate.ranks
+        if len(others) > self._state.world_size:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"a {what} for {len(ranks)} ranks names {len(incarnations)} processes (one each, and no more "
-                        f"ranks than the job's {self._state.world_size}).")
-        caller = request.caller
-        return self._state.check_also(caller.job_id, caller.generation, ranks, incarnations, what,
-                                      self._now() if now is None else now)
+                        f"a {what} names {len(others)} other ranks, more than the job's {self._state.world_size}.")
+        if aggregate.lost:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"a {what} names lost ranks (only a relay's heartbeat does).")
+        return self._state.check_also(caller.job_id, caller.generation, [r.rank for r in others],
+                                      [r.incarnation for r in others], what, self._now() if now is None else now)
 

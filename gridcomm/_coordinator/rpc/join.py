@@ -17,7 +17,7 @@ from gridcomm._coordinator.rpc.base import Operations, log
 from gridcomm._coordinator.state import REBUILD, SHRINK, StateError, process_tag
 from gridcomm._coordinator.tree import Tree, address_problem
 from gridcomm._proto import coordinator_pb2 as pb
-from gridcomm._wire import MISSING_KEY, ranks_text, shown_generation
+from gridcomm._wire import MISSING_KEY, WIRE, ranks_text, shown_generation, wire_refusal
 
 #: JoinRequest.recovery -> the state's recovery mode.
 _MODES: dict[int, str | None] = {pb.RECOVERY_NONE: None, pb.RECOVERY_REBUILD: REBUILD, pb.RECOVERY_SHRINK: SHRINK}
@@ -33,13 +33,29 @@ class JoinOps(Operations):
     #: The tree's groups and leaders, for the directed join (first contacts).
     _tree: Tree
 
-    async def join(self, request: pb.JoinRequest, deadline: float | None) -> pb.JoinResponse:
+    async def join_aggregate(self, request: pb.JoinRequest, aggregate: pb.Aggregate) -> tuple[pb.JoinResponse, None]:
+        """A relay's aggregate: the same first join by the other ranks ``aggregate`` names."""
+        return await self.join(request, None, aggregate), None
+
+    async def join(self, request: pb.JoinRequest, deadline: float | None,
+                   aggregate: pb.Aggregate | None = None) -> pb.JoinResponse:
+        problem = wire_refusal(request.wire)
+        if problem is not None:
+            # Why first: another wire form may mean other things by the same fields.
+            self.metrics.join_refused(request.rank, request.hostname, "FAILED_PRECONDITION", problem)
+            raise Abort(grpc.StatusCode.FAILED_PRECONDITION, f"join of rank {request.rank} refused: {problem}")
+        response = await self._join(request, deadline, aggregate)
+        response.wire = WIRE
+        return response
+
+    async def _join(self, request: pb.JoinRequest, deadline: float | None,
+                    aggregate: pb.Aggregate | None) -> pb.JoinResponse:
         state = self._state
         if request.first_contact:
             return await self._first_contact(request, deadline)
         self.metrics.messages["join"] += 1
-        if request.also:
-            return await self._join_aggregate(request, deadline)
+        if aggregate is not None and (aggregate.ranks or aggregate.lost):
+            return await self._join_aggregate(request, aggregate, deadline)
         self.metrics.ops["join"] += 1
         if request.recovery not in _MODES:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"join of rank {request.rank}: unknown recovery "
@@ -74,18 +90,21 @@ class JoinOps(Operations):
         self._lost.heard(request.rank)
         return self._joined(request)
 
-    async def _join_aggregate(self, request: pb.JoinRequest, deadline: float | None) -> pb.JoinResponse:
-        """A relay's aggregate of first joins (``also``): each rank is registered as its own join
-        would register it, and one wait and one answer serve them all. What only a join of its
-        own handles (a rank whose previous process still looks alive, a process admitted into a
+    async def _join_aggregate(self, request: pb.JoinRequest, aggregate: pb.Aggregate,
+                              deadline: float | None) -> pb.JoinResponse:
+        """A relay's aggregate of first joins (``SessionOp.aggregate``): each rank is registered as
+        its own join would register it, and one wait and one answer serve them all. What only a
+        join of its own handles (a rank whose previous process still looks alive, a process admitted into a
         running job, a rank replaced while it waits, a refusal) is answered with a status that
         makes the relay repeat each join alone: every rank then gets its own join's answer.
         Registering is idempotent (a process's join repeated is the same join), so what this one
         registered before it stopped stands."""
         state = self._state
         joiners = [(request.rank, request.incarnation, request.hostname)]
-        joiners.extend((j.rank, j.incarnation, j.hostname) for j in request.also)
+        joiners.extend((j.rank, j.incarnation, j.hostname) for j in aggregate.ranks)
         what = f"an aggregated join of {len(joiners)} ranks (rank {request.rank} first)"
+        if aggregate.lost:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} names lost ranks (only a relay's heartbeat does).")
         problem = self._tree.aggregate_problem([rank for rank, _, _ in joiners])
         if problem is not None:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} is refused: {problem}.")

@@ -6,7 +6,6 @@ decisions are the state's (:mod:`gridcomm._coordinator.state.liveness`, ``progre
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -53,8 +52,6 @@ class LivenessOps(Operations):
         was not yet told of, with every failure of the generation. Held in every phase (also
         while the generation is failed), so a caller's death always ends a call in flight."""
         self.metrics.messages["heartbeat"] += 1
-        if request.relayed:
-            return await self._relayed_heartbeat(request, deadline)
         state = self._state
         caller = request.caller
         member = state.check_caller(caller.job_id, caller.rank, caller.incarnation, caller.generation, "heartbeat",
@@ -108,29 +105,29 @@ class LivenessOps(Operations):
         return [pb.DigestProbe(communicator=name, counts=counts, prints=prints, rank=rank)
                 for rank in ranks for name, counts, prints in progress.probes(rank)]
 
-    async def _relayed_heartbeat(self, request: pb.HeartbeatRequest, deadline: float | None) -> pb.HeartbeatResponse:
-        """A relay's heartbeat for the ranks it serves, each with the age of its last heartbeat at
-        the relay. A rank the state refuses (failed, left, replaced) is skipped: the answer's
-        failures say what the relay needs to know. A relay's call that drops fails nobody: its
-        ranks fail over, and each is judged by its own heartbeats.
+    async def relayed_heartbeat(self, request: pb.HeartbeatRequest,
+                                aggregate: pb.Aggregate) -> tuple[pb.HeartbeatResponse, pb.AggregateAnswer | None]:
+        """A relay's heartbeat for the ranks it serves (``aggregate.ranks``), each with the age of
+        its last heartbeat at the relay; and the processes whose stream to it ended
+        (``aggregate.lost``). A rank the state refuses (failed, left, replaced) is skipped: the
+        answer's failures say what the relay needs to know. A relay's call that drops fails
+        nobody: its ranks fail over, and each is judged by its own heartbeats.
 
-        Why packed arrays and a flag for a repeated progress report: this runs for every rank of
-        every relay every bound / 6, and a rank between collectives reports the same progress
-        each time; parsing a Caller and comparing the entries cost ~7 us per rank."""
+        Why a flag for a repeated progress report: this runs for every rank of every relay every
+        bound / 6, and a rank between collectives reports the same progress each time; parsing a
+        Caller and comparing the entries cost ~7 us per rank."""
+        self.metrics.messages["heartbeat"] += 1
         state = self._state
-        ranks, incarnations, generations = request.also_ranks, request.also_incarnations, request.also_generations
-        ages, same = request.also_age_s, request.also_progress_same
+        world = state.world_size
+        # One pass over the ranks' messages (each field read once). Why a rank out of range is
+        # skipped, not refused: the aggregate speaks for other ranks too.
+        rows = [(r.rank, r.incarnation, r.generation, r.age_s, r.progress_same) for r in aggregate.ranks]
+        if any(not 0 <= row[0] < world for row in rows):
+            rows = [row for row in rows if 0 <= row[0] < world]
+        ranks = [row[0] for row in rows]
+        incarnations, generations = [row[1] for row in rows], [row[2] for row in rows]
+        ages, same = [row[3] for row in rows], [row[4] for row in rows]
         count = len(ranks)
-        if not (len(incarnations) == len(generations) == len(ages) == count) or len(same) not in (0, count):
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"a relayed heartbeat names {count} ranks with {len(incarnations)} processes, "
-                        f"{len(generations)} generations, {len(ages)} ages and {len(same)} progress flags (one each).")
-        if count and (count > state.world_size or min(ranks) < 0 or max(ranks) >= state.world_size):
-            # Why skipped one by one, not refused: the aggregate speaks for other ranks too.
-            keep = [i for i, r in enumerate(ranks) if 0 <= r < state.world_size]
-            ranks, incarnations, generations, ages = ([a[i] for i in keep] for a in (ranks, incarnations, generations,
-                                                                                     ages))
-            same, count = [same[i] for i in keep] if same else [], len(keep)
         job_id = request.caller.job_id
         if job_id != state.job_id:
             state.check_caller(job_id, request.caller.rank, request.caller.incarnation, request.caller.generation,
@@ -149,8 +146,7 @@ class LivenessOps(Operations):
         waiters, limit = self._waiters, 2 * bound
         refresh: list[tuple[Member, int]] = []
         for member, generation, age, repeated in zip(
-                state.relayed_members(job_id, ranks, incarnations, generations), generations, ages,
-                same or itertools.repeat(False, count), strict=False):
+                state.relayed_members(job_id, ranks, incarnations, generations), generations, ages, same, strict=True):
             if member is None:  # refused (failed, left, replaced): the answer's failures say why
                 continue
             rank = member.rank
@@ -178,13 +174,14 @@ class LivenessOps(Operations):
                 if ("beat", rank) in waiters:
                     self._wake(("beat", rank))
         self._lost.heard_relayed(carried)
-        self._lost.report(request)  # after the ranks it still carries: a report is about them
+        self._lost.report(aggregate)  # after the ranks it still carries: a report is about them
         resend = state.progress_refresh(refresh, now) if refresh else []
         served = [rank for rank in ranks if rank in state.members]
         await self._wait(("failure",), lambda: state.failed or any(state.progress.probing(r) for r in served),
-                         min(request.wait_s, bound), deadline, "heartbeat", fail_fast=False)
-        return pb.HeartbeatResponse(failures=[failure_pb(f) for f in state.failures], generation=state.generation,
-                                    progress_resend=resend, digest_probes=self._probes(served))
+                         min(request.wait_s, bound), None, "heartbeat", fail_fast=False)
+        response = pb.HeartbeatResponse(failures=[failure_pb(f) for f in state.failures], generation=state.generation,
+                                        digest_probes=self._probes(served))
+        return response, (pb.AggregateAnswer(progress_resend=resend) if resend else None)
 
     def _check_lost(self, member: Member, beat: float | None, lag_then: float) -> None:
         if self.lag.total_s - lag_then > self._owner.connection_grace_s / 4:

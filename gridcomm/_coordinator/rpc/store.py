@@ -39,11 +39,16 @@ class StoreOps(Operations):
         self._wake(("kv", request.key))
         return pb.SetResponse()
 
-    async def get(self, request: pb.GetRequest, deadline: float | None) -> pb.GetResponse:
+    async def get_aggregate(self, request: pb.GetRequest, aggregate: pb.Aggregate) -> tuple[pb.GetResponse, None]:
+        """A relay's aggregate: the same get by the other ranks ``aggregate`` names."""
+        return await self.get(request, None, aggregate), None
+
+    async def get(self, request: pb.GetRequest, deadline: float | None,
+                  aggregate: pb.Aggregate | None = None) -> pb.GetResponse:
         member = self._caller(request.caller, "get")
-        if request.also_ranks:
-            self._also(request, "get")
-        self.metrics.ops["get"] += 1 + len(request.also_ranks)
+        if aggregate is not None:
+            self._also(request.caller, aggregate, "get")
+        self.metrics.ops["get"] += 1 + (len(aggregate.ranks) if aggregate is not None else 0)
         self.metrics.messages["get"] += 1
         state = self._state
         key = request.key
