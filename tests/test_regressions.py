@@ -115,6 +115,26 @@ def test_refused_barrier_arrival_leaves_no_trace():
 
 
 @pytest.mark.timeout(60)
+def test_a_barrier_for_some_ranks_before_the_rendezvous_completes_waits_for_those_not_joined_yet():
+    # Found by the fuzzer: world size 3, ranks 0 and 2 joined (rank 1 not yet); rank 0
+    # Barrier("b", seq=1, participants=[0, 1]) -> INVALID_ARGUMENT "participants must be distinct
+    # ranks of generation -1 (job ranks [0, 1, 2]), sorted; got [0, 1]" (!), where a barrier for
+    # every rank waits for the rank that has not joined.
+    with coordinator(3) as (server, channel):
+        job = Job(server.job_id, 3)
+        Driver(channel, job).join_all([0, 2], [100, 102])
+        stub = pb_grpc.CoordinatorStub(channel)
+        c0 = next(c for c in job.valid_callers() if c.rank == 0)
+        for participants in ([0, 1], []):
+            out = call_unary(stub.Barrier, pb.BarrierRequest(caller=c0, name=f"b{len(participants)}", seq=1, wait_s=0.05,
+                                                             participants=participants))
+            assert (out.code, out.trailing.get(MISSING_KEY)) == (DEADLINE, "1" if participants else "1,2"), \
+                (participants, out.code, out.details)
+        out = call_unary(stub.Barrier, pb.BarrierRequest(caller=c0, name="c", seq=1, wait_s=0.05, participants=[0, 3]))
+        assert out.code is INVALID, (out.code, out.details)
+
+
+@pytest.mark.timeout(60)
 def test_a_name_opened_for_some_ranks_refuses_an_arrival_for_every_rank():
     # Found by the fuzzer (the model had let it pass): rank 1 Barrier("p", seq=1, participants=[1])
     # completes alone; rank 1 Barrier("p", seq=2, participants=[]) names every rank, another group.
