@@ -120,7 +120,6 @@ class GpuSampler:
     def poll(self, entered: int, stream: Any) -> tuple[int, float]:
         """(count known complete on the GPU, seconds the pending sample or a blocked CUDA call has
         waited; 0: none). Never calls CUDA; asks the thread for a fresh look."""
-        now = time.monotonic()
         with self._lock:
             if self._broken is not None or self._stopped:
                 return max(self.completed, entered), 0.0
@@ -129,6 +128,9 @@ class GpuSampler:
                 self._thread = threading.Thread(target=self._run, name="gridcomm-gpu-sampler", daemon=True)
                 self._thread.start()
             completed, pending, busy = self.completed, self._pending, self._busy_since
+            # Read under the lock, after the times it is compared with (the thread sets them under
+            # it): a clock read before waiting for the lock can precede them.
+            now = time.monotonic()
         self._wake.set()
         since = [t for t in (pending[1] if pending is not None else None, busy) if t is not None]
         return completed, (now - min(since)) if since else 0.0
