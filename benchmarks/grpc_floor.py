@@ -4,7 +4,9 @@ N ranks, each with a connection and a bidirectional stream of its own (P process
 every thread a rank with its own channel, as rendezvous.py's gridcomm ranks); per barrier every
 rank writes one message on its stream, and a server that only counts answers every stream once
 all N have. Messages are raw bytes (no protobuf) and the server does nothing else, so what this
-costs is gRPC's share of a barrier: server CPU per rank-operation and wall time per barrier.
+costs is gRPC's share of a barrier: server CPU per rank-operation and wall time per barrier, and
+the server's peak memory per connected rank (peak RSS once every rank holds its stream, less the RSS
+after start).
 
     python benchmarks/grpc_floor.py --ranks 512 --barriers 100
     python benchmarks/grpc_floor.py --ranks 512 --servers tcp     # asyncio sockets, no gRPC
@@ -170,6 +172,8 @@ def measure(kind: str, world: int, processes: int, barriers: int) -> dict[str, f
     server.start()
     try:
         assert ready.wait(30), "the server did not start"
+        assert server.pid is not None
+        base_mb = proc_stats(server.pid)["rss_mb"]
         start, out = ctx.Event(), ctx.Queue()
         per = max(1, world // processes)
         groups = [list(range(i, min(i + per, world))) for i in range(0, world, per)]
@@ -178,8 +182,8 @@ def measure(kind: str, world: int, processes: int, barriers: int) -> dict[str, f
         for p in procs:
             p.start()
         time.sleep(2.0 + world / 200)  # every rank connected (joined) before the clock starts
-        assert server.pid is not None
-        before = proc_stats(server.pid)["cpu_s"]
+        connected = proc_stats(server.pid)
+        before = connected["cpu_s"]
         t0 = time.monotonic()
         start.set()
         times = [out.get(timeout=600) for _ in procs][0]
@@ -188,7 +192,8 @@ def measure(kind: str, world: int, processes: int, barriers: int) -> dict[str, f
         for p in procs:
             p.join(30)
         return {"t2_ms": statistics.median(times) * 1e3, "wall_per_barrier_ms": wall / barriers * 1e3,
-                "server_cpu_us_per_rank_op": cpu / (world * barriers) * 1e6}
+                "server_cpu_us_per_rank_op": cpu / (world * barriers) * 1e6,
+                "server_kb_per_rank": (connected["hwm_mb"] - base_mb) * 1024 / world}
     finally:
         server.kill()
         server.join(10)
@@ -211,12 +216,15 @@ def main() -> int:
             print(f"rep {rep} {kind:<9} " + " ".join(f"{k}={v:.1f}" for k, v in res.items()), flush=True)
     print(f"\n{args.ranks} ranks ({args.processes} processes), {args.barriers} barriers, {args.reps} repetitions: "
           "median [min..max]")
-    print("| server | wall ms per barrier | server CPU us per rank-op |\n| --- | ---: | ---: |")
+    print("| server | wall ms per barrier | server CPU us per rank-op | server KB per connected rank |\n"
+          "| --- | ---: | ---: | ---: |")
     for kind, res in rows.items():
         wall = [r["wall_per_barrier_ms"] for r in res]
         cpu = [r["server_cpu_us_per_rank_op"] for r in res]
+        kb = [r["server_kb_per_rank"] for r in res]
         print(f"| {kind} | {statistics.median(wall):.1f} [{min(wall):.1f}..{max(wall):.1f}] "
-              f"| {statistics.median(cpu):.0f} [{min(cpu):.0f}..{max(cpu):.0f}] |")
+              f"| {statistics.median(cpu):.0f} [{min(cpu):.0f}..{max(cpu):.0f}] "
+              f"| {statistics.median(kb):.1f} [{min(kb):.1f}..{max(kb):.1f}] |")
     return 0
 
 
