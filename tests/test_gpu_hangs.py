@@ -170,16 +170,21 @@ import gridcomm
 rank = int(os.environ["GRIDCOMM_RANK"]); world = int(os.environ["GRIDCOMM_WORLD_SIZE"])
 comm = gridcomm.init_process_group(world, rank, backend="nccl", timeout_s=120)
 a = cupy.random.random((2048, 2048), dtype=cupy.float32)
-x = cupy.ones(1024, dtype=cupy.float32)
+x = cupy.zeros(1024, dtype=cupy.float32)
 stream = cupy.cuda.get_current_stream()
 stop = os.environ["STOP_FILE"]
 steps = 0
-while not os.path.exists(stop) and steps < 3000:
+while steps < 3000:
     b = a @ a  # the step's GPU work
     time.sleep(0.01 + (0.04 if rank == int(os.environ["SLOW_RANK"]) else 0.0))  # the step's host work
+    # The stop is agreed in the all_reduce itself: a rank that checked the file a moment after the
+    # others would otherwise run one all_reduce more than they do while they wait in the barrier.
+    x[0] = float(os.path.exists(stop))
     comm.all_reduce(x, x, op="max")
     stream.synchronize()
     steps += 1
+    if float(x[0]) > 0:
+        break
 comm.barrier("end")
 print("DONE", steps, flush=True)
 comm.stop()
