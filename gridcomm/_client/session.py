@@ -332,14 +332,9 @@ def _outcome(waiter: _Waiter | _LoopWaiter, kind: str) -> Any:
     result = waiter.result
     assert result is not None
     if result.code:
-        raise refusal(result)
+        raise OpError(_CODES.get(result.code, grpc.StatusCode.UNKNOWN), result.details,
+                      tuple((m.key, m.value) for m in result.metadata))
     return getattr(result, kind)
-
-
-def refusal(result: pb.SessionResult) -> OpError:
-    """A refused Session operation's result as the error its unary RPC would have raised."""
-    return OpError(_CODES.get(result.code, grpc.StatusCode.UNKNOWN), result.details,
-                   tuple((m.key, m.value) for m in result.metadata))
 
 
 def _why(exc: BaseException) -> str:

@@ -28,6 +28,7 @@ _loop: asyncio.AbstractEventLoop | None = None
 #: The process that started _loop: a forked child has the loop object but not its thread.
 _pid = 0
 #: The loop's thread (a blocking call made on it would wait for itself).
+_thread_id = 0
 _thread: threading.Thread | None = None
 #: What serves or dials on the loop, wound down in order at exit (see _shutdown): servers (anything
 #: with ``async stop(grace_s)``) and channels (``async close()``).
@@ -47,6 +48,8 @@ def loop() -> asyncio.AbstractEventLoop:
             ready = threading.Event()
 
             def run() -> None:
+                global _thread_id
+                _thread_id = threading.get_ident()
                 asyncio.set_event_loop(new)
                 new.call_soon(ready.set)
                 new.run_forever()
@@ -108,8 +111,7 @@ def current() -> asyncio.AbstractEventLoop | None:
 
 
 def on_loop_thread() -> bool:
-    thread = _thread
-    return thread is not None and threading.get_ident() == thread.ident and current() is not None
+    return threading.get_ident() == _thread_id and current() is not None
 
 
 def stops_at_exit(server: Any) -> None:

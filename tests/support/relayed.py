@@ -6,8 +6,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from gridcomm._client.session import refusal as refused
+import grpc
+
+from gridcomm._client.session import OpError
 from gridcomm._proto import coordinator_pb2 as pb
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def refused(result: pb.SessionResult) -> OpError:
+    """A Session operation's refusal as the error its unary RPC would have raised."""
+    return OpError(_CODES.get(result.code, grpc.StatusCode.UNKNOWN), result.details,
+                   tuple((m.key, m.value) for m in result.metadata))
 
 
 def aggregate_of(*callers: Any, **fields: Any) -> pb.Aggregate:

@@ -326,10 +326,10 @@ class Barriers(StateBase):
         if members == self._everyone:
             return self._everyone
         # Ranks of the generation, joined or not yet (a barrier opened before the rendezvous
-        # completes waits for them, as a whole-job barrier does). Only a generation of fewer ranks
-        # than the job (after a shrink, formed by ranks that all joined) excludes some.
+        # completes waits for them, as a whole-job barrier does).
+        everyone = self._everyone
         if list(members) != sorted(set(members)) or members[0] < 0 or members[-1] >= self.world_size or \
-                (len(self._everyone) < self.world_size and any(r not in self.members for r in members)):
+                (len(everyone) < self.world_size and not set(members) <= set(everyone)):
             raise StateError(
                 INVALID_ARGUMENT,
                 f"barrier {quote(name)}: participants must be distinct ranks of generation {_shown(self.generation)} "
