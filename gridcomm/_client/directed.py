@@ -20,7 +20,7 @@ from gridcomm._errors import ConfigError, CoordinatorUnavailable, RendezvousTime
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._runtime import loop as _eventloop
-from gridcomm._runtime.channel import make_aio_channel, released
+from gridcomm._runtime.channel import make_aio_channel
 from gridcomm._wire import WIRE, translate, wire_mismatch
 
 log = logging.getLogger("gridcomm")
@@ -79,11 +79,9 @@ def _ask_once(asker: Asker, request: pb.JoinRequest, what: str, timeout_s: float
     client = asker.client
 
     async def call() -> pb.JoinResponse:
-        pending = asker.stub().Join(request, timeout=timeout_s, metadata=client.metadata, wait_for_ready=True)
-        try:
-            answer: pb.JoinResponse = await pending
-        finally:
-            released(pending)  # so that the close below shuts the connection at once
+        stub = asker.stub()
+        answer: pb.JoinResponse = await stub.Join(request, timeout=timeout_s, metadata=client.metadata,
+                                                  wait_for_ready=True)
         return answer
 
     future = asyncio.run_coroutine_threadsafe(call(), _eventloop.loop())

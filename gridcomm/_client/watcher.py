@@ -44,7 +44,7 @@ from gridcomm._errors import (
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._proto import coordinator_pb2_grpc as pb_grpc
 from gridcomm._relay.silence import reported
-from gridcomm._runtime.channel import make_aio_channel, released
+from gridcomm._runtime.channel import make_aio_channel
 from gridcomm._runtime.loop import current as _current_loop
 from gridcomm._runtime.loop import lag_s as _lag_s
 from gridcomm._runtime.loop import loop as _runtime
@@ -104,11 +104,7 @@ class _Redial:
     async def attempt(self, timeout_s: float) -> pb.HeartbeatResponse:
         client = self._client
         request = pb.HeartbeatRequest(caller=client.caller, progress=client.progress())
-        call = self._stub.Heartbeat(request, timeout=timeout_s, metadata=client.metadata)
-        try:
-            reply: pb.HeartbeatResponse = await call
-        finally:
-            released(call)  # so that the close shuts the connection at once
+        reply: pb.HeartbeatResponse = await self._stub.Heartbeat(request, timeout=timeout_s, metadata=client.metadata)
         return reply
 
     async def close(self) -> None:

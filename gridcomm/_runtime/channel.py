@@ -3,7 +3,6 @@ synchronous client and the background loop's streams)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 from typing import Any
 
@@ -104,19 +103,6 @@ def make_channel(target: str, tls: _config.TlsFiles | None) -> grpc.Channel:
     if tls is None:
         return grpc.insecure_channel(target, options=channel_options())
     return grpc.secure_channel(target, channel_credentials(tls), options=secure_options(tls))
-
-
-def released(call: Any) -> None:
-    """Unties a finished grpc.aio call from its core call. Why: grpc.aio's channel keeps a done
-    callback on each call that refers back to the call, a reference cycle that only Python's
-    cyclic garbage collector frees (seconds to minutes later); until then the core call holds its
-    channel's connection open, also after the channel's close. Every rank's first contact kept
-    its connection open at the coordinator that way (~37 KB there each) while the job formed.
-    Untied, the core call is freed at once and a closed channel's connection goes with it.
-    Where grpc.aio has no such attribute, nothing is done (the collector frees it, later)."""
-    if call.done():
-        with contextlib.suppress(AttributeError):
-            del call._cython_call
 
 
 def make_aio_channel(target: str, tls: _config.TlsFiles | None, retries: bool = True, *,
