@@ -72,10 +72,13 @@ class Tree:
         self._told_lead: dict[int, float] = {}
         #: leader -> when a member of its group first asked.
         self._first_ask: dict[int, float] = {}
-        #: rank -> the leader whose relay it was sent to.
-        self._sent: dict[int, int] = {}
-        #: Ranks told where to join (lead, relay or directly), each counted once.
-        self._settled: set[int] = set()
+        #: Per rank, 1 once it was sent to its leader's relay (the groups are fixed by then, so
+        #: that leader is :meth:`leader`). Why a byte a rank, not a dict or a set: the tree is
+        #: kept for every rank of the job, up to 100,000 and more.
+        self._sent = bytearray(world_size)
+        #: Per rank, 1 once it was told where to join (lead, relay or directly); how many are.
+        self._settled = bytearray(world_size)
+        self._settled_count = 0
         #: leader -> the address of the relay it named in its first contact.
         self._announced: dict[int, str] = {}
         #: The longest a first contact is held for its leader (HOLD_S).
@@ -90,7 +93,7 @@ class Tree:
         return range(leader, min(leader + self.fanin, self.world_size))
 
     def retry_after_s(self) -> float:
-        undirected = self.world_size - len(self._settled)
+        undirected = self.world_size - self._settled_count
         return min(RETRY_MAX_S, max(RETRY_MIN_S, undirected / ASKS_PER_S))
 
     def first_contact(self, request: pb.JoinRequest, *, job_id: str, formed: bool, relay_at: Callable[[int], str],
@@ -132,7 +135,7 @@ class Tree:
         # Once the leader has joined, only the relay its join registered stands.
         address = relay_at(leader) or ("" if leader_joined(leader) else self.announced(leader))
         if address:
-            self._sent[rank] = leader
+            self._sent[rank] = 1
             answer.relay_address = address
             return self._settle(rank, "relay", answer)
         waited_since = self._told_lead.get(leader, self._first_ask.setdefault(leader, now))
@@ -163,14 +166,17 @@ class Tree:
         return self._announced.get(leader, "")
 
     def _settle(self, rank: int, kind: str, answer: pb.JoinResponse) -> tuple[str, pb.JoinResponse]:
-        self._settled.add(rank)
+        if not self._settled[rank]:
+            self._settled[rank] = 1
+            self._settled_count += 1
         return kind, answer
 
     def aggregate_problem(self, ranks: list[int]) -> str | None:
         """Why a relay's aggregate of first joins must not be taken as one, or None. The ranks this
         coordinator sent to a relay must all have been sent to the same one: a relay speaks for its
         own group only."""
-        leaders = {self._sent[r] for r in ranks if r in self._sent}
+        sent, world = self._sent, self.world_size
+        leaders = {self.leader(r) for r in ranks if 0 <= r < world and sent[r]}
         if len(leaders) > 1:
             return (f"it names ranks that were sent to the relays of ranks {sorted(leaders)[:8]}; a relay "
                     "speaks for its own group only")

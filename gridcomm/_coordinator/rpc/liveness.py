@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,8 +42,10 @@ class LivenessOps(Operations):
                 check_answers(p.entered, p.probe_counts, p.probe_digests, p.probe_prints, p.probe_lost, MAX_FINGERPRINT)
             if wrong is not None:
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {wrong}.")
-            entries.append(Entry(p.communicator, p.entered, p.kind, p.age_s, p.inside, tuple(p.recent),
-                                 min(p.completed, p.entered), p.gpu_wait_s, p.digest,
+            # Why interned: the state keeps a rank's communicator names and kind for every rank,
+            # and ranks in step all report the same few (one string each, not one per rank).
+            entries.append(Entry(sys.intern(p.communicator), p.entered, sys.intern(p.kind), p.age_s, p.inside,
+                                 tuple(p.recent), min(p.completed, p.entered), p.gpu_wait_s, p.digest,
                                  answers_of(p.probe_counts, p.probe_digests, p.probe_prints, p.probe_lost),
                                  p.inside_s if 0.0 <= p.inside_s < math.inf else 0.0))
         return entries
@@ -116,6 +119,19 @@ class LivenessOps(Operations):
         Why a flag for a repeated progress report: this runs for every rank of every relay every
         bound / 6, and a rank between collectives reports the same progress each time; parsing a
         Caller and comparing the entries cost ~7 us per rank."""
+        served, resend = self._take_relayed(request, aggregate)
+        state, bound = self._state, self._owner.heartbeat_timeout_s
+        await self._wait(("failure",), lambda: state.failed or any(state.progress.probing(r) for r in served),
+                         min(request.wait_s, bound), None, "heartbeat", fail_fast=False)
+        response = pb.HeartbeatResponse(failures=[failure_pb(f) for f in state.failures], generation=state.generation,
+                                        digest_probes=self._probes(served))
+        return response, (pb.AggregateAnswer(progress_resend=resend) if resend else None)
+
+    def _take_relayed(self, request: pb.HeartbeatRequest, aggregate: pb.Aggregate) -> tuple[list[int], list[int]]:
+        """What a relay's heartbeat says, taken into the state; returns the ranks it serves that
+        are members, and those whose progress the relay must send again. Why apart from the
+        long poll: the lists built here for every rank it carries are freed before the wait, not
+        held through it (a relay's heartbeat waits nearly all the time)."""
         self.metrics.messages["heartbeat"] += 1
         state = self._state
         world = state.world_size
@@ -176,12 +192,7 @@ class LivenessOps(Operations):
         self._lost.heard_relayed(carried)
         self._lost.report(aggregate)  # after the ranks it still carries: a report is about them
         resend = state.progress_refresh(refresh, now) if refresh else []
-        served = [rank for rank in ranks if rank in state.members]
-        await self._wait(("failure",), lambda: state.failed or any(state.progress.probing(r) for r in served),
-                         min(request.wait_s, bound), None, "heartbeat", fail_fast=False)
-        response = pb.HeartbeatResponse(failures=[failure_pb(f) for f in state.failures], generation=state.generation,
-                                        digest_probes=self._probes(served))
-        return response, (pb.AggregateAnswer(progress_resend=resend) if resend else None)
+        return [rank for rank in ranks if rank in state.members], resend
 
     def _check_lost(self, member: Member, beat: float | None, lag_then: float) -> None:
         if self.lag.total_s - lag_then > self._owner.connection_grace_s / 4:

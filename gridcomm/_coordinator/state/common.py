@@ -49,8 +49,11 @@ class MemberState(enum.IntEnum):
     FAILED = 3
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Member:
+    """One process's record of a rank (one per rank of the job: slotted, as the coordinator keeps
+    one for each of up to 100,000 ranks)."""
+
     rank: int
     incarnation: int
     hostname: str

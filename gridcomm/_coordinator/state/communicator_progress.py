@@ -23,7 +23,7 @@ from gridcomm._coordinator.state.entries import (
 )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Rank:
     entered: int
     kind: str

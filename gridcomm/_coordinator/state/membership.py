@@ -4,6 +4,7 @@ generation, and every caller's identity check. Pure: the caller passes ``now``."
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterable
 
 from gridcomm._coordinator.state.barriers import Barriers
@@ -125,6 +126,8 @@ class JobState(Liveness, Barriers, KeyValue):
             raise StateError(INVALID_ARGUMENT, f"rank {rank} joined with incarnation 0; it must be a random non-zero number.")
         if len(hostname.encode()) > self.limits.max_hostname_bytes:
             raise StateError(INVALID_ARGUMENT, f"rank {rank}'s hostname is longer than {self.limits.max_hostname_bytes} bytes.")
+        # Why interned: a member keeps its hostname, and a host's ranks all name the same one.
+        hostname = sys.intern(hostname)
         if base:
             return self._recover(rank, incarnation, base, mode, now)
         if mode is not None:

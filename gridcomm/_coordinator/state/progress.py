@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Iterable
+from typing import TypeVar
 
 from gridcomm._coordinator.state.communicator_progress import CommunicatorProgress
 from gridcomm._coordinator.state.entries import (
@@ -59,6 +60,10 @@ from gridcomm._coordinator.state.entries import check_entry as check_entry
 from gridcomm._coordinator.state.entries import digest_reason as digest_reason
 from gridcomm._coordinator.state.lag import EntryLag
 
+_V = TypeVar("_V", bound=Hashable)
+#: The most distinct values :class:`Progress` shares between ranks before it starts afresh.
+MAX_SHARED = 4096
+
 
 class Progress:
     """Every communicator's progress in the current generation (see :class:`CommunicatorProgress`)."""
@@ -74,6 +79,20 @@ class Progress:
         self.printed = 0
         #: How late each rank enters collectives (stragglers).
         self.lag = EntryLag()
+        #: One shared object for each value that ranks hold equal (the communicators a rank
+        #: reported, what its last report said): ranks in step report the same, and a copy for
+        #: each rank costs hundreds of bytes a rank. Bounded: cleared when full.
+        self._shared: dict[Hashable, Hashable] = {}
+
+    def _share(self, value: _V) -> _V:
+        """``value``, or an equal one that other ranks already hold (see ``_shared``)."""
+        shared = self._shared
+        got = shared.get(value)
+        if got is None:
+            if len(shared) >= MAX_SHARED:
+                shared.clear()
+            shared[value] = got = value
+        return got  # type: ignore[return-value]
 
     def reset(self, generation: int) -> None:
         """A new generation: its communicators are new (entries are dated no earlier than the
@@ -82,6 +101,7 @@ class Progress:
         self.communicators.clear()
         self._reported.clear()
         self._said.clear()
+        self._shared.clear()
         self.printed = 0
         self.lag.reset()
 
@@ -155,11 +175,11 @@ class Progress:
             names.add(entry.communicator)
         for gone in self._reported.get(rank, frozenset()) - names:
             self._drop(gone, rank)
-        self._reported[rank] = frozenset(names)
+        self._reported[rank] = self._share(frozenset(names))
         if said is None:
             self._said.pop(rank, None)
         else:
-            self._said[rank] = said
+            self._said[rank] = self._share(said)
         return None
 
     def _drop(self, name: str, rank: int) -> None:
