@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import grpc
@@ -128,14 +129,15 @@ class RefusalLog:
         self._peers = set()
 
 
-def member_pb(member: Member) -> pb.Member:
-    return pb.Member(
-        rank=member.rank,
-        hostname=member.hostname,
-        process_tag=process_tag(member.incarnation),
-        state=int(member.state),  # type: ignore[arg-type]
-        joined_at_unix_s=time.time() - (time.monotonic() - member.joined_at),
-    )
+def add_members(into: Any, members: Iterable[Member]) -> None:
+    """Appends each of ``members`` to ``into`` (a repeated gridcomm.v1.Member field), each built in
+    place. Why not a pb.Member each, copied in: every rank's standalone message was held at once,
+    several times the size of the answer itself (a Status names every rank of the job)."""
+    add = into.add
+    offset = time.time() - time.monotonic()  # the members' monotonic times, as wall-clock times
+    for member in members:
+        add(rank=member.rank, hostname=member.hostname, process_tag=process_tag(member.incarnation),
+            state=int(member.state), joined_at_unix_s=offset + member.joined_at)  # type: ignore[arg-type]
 
 
 def failure_pb(failure: Any) -> pb.Failure:

@@ -4,7 +4,7 @@ stragglers), bounded so the answer stays far below a message's limit at any worl
 
 from __future__ import annotations
 
-from gridcomm._coordinator.answers import failure_pb, member_pb
+from gridcomm._coordinator.answers import add_members, failure_pb
 from gridcomm._coordinator.rpc.base import Operations
 from gridcomm._proto import coordinator_pb2 as pb
 from gridcomm._wire import shown_generation
@@ -22,11 +22,10 @@ class StatusOps(Operations):
         state = self._state
         now = self._now()
         barriers, unlisted = self._barrier_rows(now)
-        return pb.StatusResponse(
+        response = pb.StatusResponse(
             job_id=state.job_id,
             world_size=state.world_size,
             generation=shown_generation(state.generation) if state.generation else None,
-            members=[member_pb(m) for m in sorted(state.members.values(), key=lambda m: m.rank)],
             missing_ranks=state.missing_join(),
             barriers=barriers,
             failures=[failure_pb(f) for f in state.failures],
@@ -37,6 +36,8 @@ class StatusOps(Operations):
             stragglers=[pb.StragglerStatus(rank=s.rank, lag_s=s.lag_s, communicator=s.communicator)
                         for s in state.progress.lag.stragglers()],
         )
+        add_members(response.members, sorted(state.members.values(), key=lambda m: m.rank))
+        return response
 
     def _barrier_rows(self, now: float) -> tuple[list[pb.BarrierStatus], list[str]]:
         """The pending barriers that have waited longest, at most MAX_STATUS_BARRIERS of them and
