@@ -4,6 +4,8 @@ stragglers), bounded so the answer stays far below a message's limit at any worl
 
 from __future__ import annotations
 
+from typing import Any
+
 from gridcomm._coordinator.answers import add_members, failure_pb
 from gridcomm._coordinator.rpc.base import Operations
 from gridcomm._proto import coordinator_pb2 as pb
@@ -31,12 +33,12 @@ class StatusOps(Operations):
             failures=[failure_pb(f) for f in state.failures],
             uptime_s=now - state.started_at,
             serving=self._owner.serving,
-            progress=self._progress_rows(now),
             late=state.progress.late_lines(now, self._owner.heartbeat_timeout_s) + unlisted,
             stragglers=[pb.StragglerStatus(rank=s.rank, lag_s=s.lag_s, communicator=s.communicator)
                         for s in state.progress.lag.stragglers()],
         )
         add_members(response.members, sorted(state.members.values(), key=lambda m: m.rank))
+        self._add_progress_rows(response.progress, now)
         return response
 
     def _barrier_rows(self, now: float) -> tuple[list[pb.BarrierStatus], list[str]]:
@@ -59,18 +61,19 @@ class StatusOps(Operations):
             if more > 0 else []
         return rows, unlisted
 
-    def _progress_rows(self, now: float) -> list[pb.Progress]:
-        """Each rank's last collective per communicator, at most 4 x world size rows (the world's first)."""
+    def _add_progress_rows(self, into: Any, now: float) -> None:
+        """Each rank's last collective per communicator, at most 4 x world size rows (the world's
+        first), appended to ``into`` (a StatusResponse's progress), each built in place (see
+        answers.add_members)."""
         state = self._state
         if state.progress.generation != state.generation:
-            return []
-        rows: list[pb.Progress] = []
+            return
+        add, count = into.add, 0
         cap = 4 * state.world_size
         comms = sorted(state.progress.communicators.values(), key=lambda c: (c.name != "world", c.name))
         for comm in comms:
             for rank, entered, kind, age, inside in comm.rows(now):
-                if len(rows) >= cap:
-                    return rows
-                rows.append(pb.Progress(communicator=comm.name, rank=rank, entered=entered, kind=kind, age_s=age,
-                                        inside=inside))
-        return rows
+                if count >= cap:
+                    return
+                add(communicator=comm.name, rank=rank, entered=entered, kind=kind, age_s=age, inside=inside)
+                count += 1
