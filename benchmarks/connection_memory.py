@@ -21,16 +21,13 @@ import asyncio
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # before gRPC starts: the closes' GOAWAY lines are noise here
 
 import grpc  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from rendezvous import proc_stats  # noqa: E402  (this directory is the script's: sys.path[0])
 
 from gridcomm._runtime.guard import control_server_options  # noqa: E402
 
@@ -43,14 +40,6 @@ VARIANTS: dict[str, list[tuple[str, Any]]] = {
     "lookahead-16k": [("grpc.http2.lookahead_bytes", 16384)],
 }
 METADATA = (("authorization", "Bearer " + "t" * 40), ("gridcomm-rank", "12345"), ("gridcomm-job", "job-abcdef"))
-
-
-def _rss_kb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 def _serve(variant: str, ports: Any, stop: Any) -> None:
@@ -98,18 +87,18 @@ def measure(variant: str, n: int) -> float:
     try:
         port = ports.get(timeout=60)
         time.sleep(0.5)
-        before = _rss_kb(server.pid)  # type: ignore[arg-type]
+        before = proc_stats(server.pid)["rss_mb"]  # type: ignore[arg-type]
 
-        async def hold() -> int:
+        async def hold() -> float:
             channels = await _connect(port, n)
             await asyncio.sleep(1.0)
-            after = _rss_kb(server.pid)  # type: ignore[arg-type]
+            after = proc_stats(server.pid)["rss_mb"]  # type: ignore[arg-type]
             for channel in channels:
                 await channel.close()
             return after
 
         after = asyncio.run(hold())
-        return (after - before) / n
+        return (after - before) * 1024 / n
     finally:
         stop.set()
         server.join(10)

@@ -18,7 +18,8 @@ WORLD, FANIN = 32, 8
 
 
 def ask(tree: Tree, rank: int, *, relay: str = "", now: float = 0.0) -> str:
-    request = pb.JoinRequest(job_id="j", rank=rank, world_size=WORLD, first_contact=True, relay_address=relay)
+    request = pb.JoinRequest(job_id="j", rank=rank, world_size=tree.world_size, first_contact=True,
+                             relay_address=relay)
     kind, _ = tree.first_contact(request, job_id="j", formed=False, relay_at=lambda _leader: "",
                                  leader_joined=lambda _leader: False, now=now)
     return kind
@@ -44,19 +45,11 @@ def test_come_back_counts_each_rank_once_however_often_it_asks():
     tree = Tree(world, FANIN)
     assert tree.retry_after_s() == pytest.approx(1.0)
     for _ in range(3):
-        assert ask_world(tree, 0, relay="10.0.0.1:1") == "lead"
+        assert ask(tree, 0, relay="10.0.0.1:1") == "lead"
         for rank in range(1, FANIN):
-            assert ask_world(tree, rank) == "relay"
-    assert ask_world(tree, FANIN + 1) == "retry"  # its leader has not asked: not directed yet
+            assert ask(tree, rank) == "relay"
+    assert ask(tree, FANIN + 1) == "retry"  # its leader has not asked: not directed yet
     assert tree.retry_after_s() == pytest.approx((world - FANIN) / 4000.0)
-
-
-def ask_world(tree: Tree, rank: int, relay: str = "") -> str:
-    request = pb.JoinRequest(job_id="j", rank=rank, world_size=tree.world_size, first_contact=True,
-                             relay_address=relay)
-    kind, _ = tree.first_contact(request, job_id="j", formed=False, relay_at=lambda _leader: "",
-                                 leader_joined=lambda _leader: False, now=0.0)
-    return kind
 
 
 def entry(entered: int, kind: str = "barrier", name: str = "world") -> Entry:

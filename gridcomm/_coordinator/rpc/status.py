@@ -68,12 +68,11 @@ class StatusOps(Operations):
         state = self._state
         if state.progress.generation != state.generation:
             return
-        add, count = into.add, 0
+        add = into.add
         cap = 4 * state.world_size
         comms = sorted(state.progress.communicators.values(), key=lambda c: (c.name != "world", c.name))
         for comm in comms:
             for rank, entered, kind, age, inside in comm.rows(now):
-                if count >= cap:
+                if len(into) >= cap:
                     return
                 add(communicator=comm.name, rank=rank, entered=entered, kind=kind, age_s=age, inside=inside)
-                count += 1
